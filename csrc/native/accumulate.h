@@ -1,0 +1,185 @@
+// Torch-free core of the CPU scale-and-accumulate kernel.
+//
+// Kept free of torch so that the exact arithmetic (dtype conversions, rounding,
+// non-finite detection, the split of work across the whole element set) can be
+// unit-tested with ctest under AddressSanitizer/UBSan and ThreadSanitizer.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace mbs::native {
+
+enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even; NaN stays a quiet NaN with its sign.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Exact for every half value: normals and subnormals go through one multiply by
+// 2^112 (the exponent-bias difference), inf/NaN keep an all-ones exponent.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t magnitude = h & 0x7fffu;
+  const uint32_t shifted = magnitude << 13;
+  float f = bits_to_f32(shifted) * 0x1p112f;
+  if (magnitude >= 0x7c00u) f = bits_to_f32(shifted | 0x7f800000u);
+  return bits_to_f32(f32_to_bits(f) | sign);
+}
+
+// Round to nearest even, overflow to inf, subnormals rounded correctly.
+inline uint16_t f32_to_f16(float value) {
+  uint32_t u = f32_to_bits(value);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint32_t out;
+  if (u >= 0x47800000u) {  // >= 2^16, inf or NaN
+    out = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (u < 0x38800000u) {  // below the smallest normal half (2^-14)
+    // Adding 0.5 lets the FPU round the 10-bit subnormal mantissa for us.
+    const float rounded = bits_to_f32(u) + 0.5f;
+    out = f32_to_bits(rounded) - 0x3f000000u;
+  } else {
+    const uint32_t odd = (u >> 13) & 1u;
+    u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round
+    out = u >> 13;
+  }
+  return static_cast<uint16_t>(out | sign);
+}
+
+template <DType D> struct Storage;
+template <> struct Storage<DType::f32> { using type = float; };
+template <> struct Storage<DType::f64> { using type = double; };
+template <> struct Storage<DType::bf16> { using type = uint16_t; };
+template <> struct Storage<DType::f16> { using type = uint16_t; };
+
+// Math type: float64 only when the accumulator is float64.
+template <DType A> struct Compute { using type = float; };
+template <> struct Compute<DType::f64> { using type = double; };
+
+template <DType D, typename C> inline C load(const typename Storage<D>::type* p) {
+  if constexpr (D == DType::bf16) return static_cast<C>(bf16_to_f32(*p));
+  else if constexpr (D == DType::f16) return static_cast<C>(f16_to_f32(*p));
+  else return static_cast<C>(*p);
+}
+
+template <DType D, typename C> inline void store(typename Storage<D>::type* p, C v) {
+  if constexpr (D == DType::bf16) *p = f32_to_bf16(static_cast<float>(v));
+  else if constexpr (D == DType::f16) *p = f32_to_f16(static_cast<float>(v));
+  else *p = static_cast<typename Storage<D>::type>(v);
+}
+
+// acc[i] += scale * grad[i] for i in [0, n); returns true when a grad element is
+// inf or NaN. `g * 0` is 0 for finite g and NaN otherwise, so the check is a
+// branch-free sum that the compiler vectorizes with the main loop.
+template <DType A, DType G>
+bool accumulate_span(void* acc_raw, const void* grad_raw, int64_t n, double scale) {
+  using C = typename Compute<A>::type;
+  auto* acc = static_cast<typename Storage<A>::type*>(acc_raw);
+  const auto* grad = static_cast<const typename Storage<G>::type*>(grad_raw);
+  const C s = static_cast<C>(scale);
+  C poison = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const C g = load<G, C>(grad + i);
+    poison += g * C(0);
+    store<A, C>(acc + i, load<A, C>(acc + i) + s * g);
+  }
+  return poison != poison;
+}
+
+inline int64_t element_size(DType d) {
+  return (d == DType::f64) ? 8 : (d == DType::f32) ? 4 : 2;
+}
+
+using SpanFn = bool (*)(void*, const void*, int64_t, double);
+
+inline SpanFn span_kernel(DType acc, DType grad) {
+#define MBS_GRAD_CASES(A)                                                  \
+  switch (grad) {                                                          \
+    case DType::f32: return &accumulate_span<A, DType::f32>;               \
+    case DType::f64: return &accumulate_span<A, DType::f64>;               \
+    case DType::bf16: return &accumulate_span<A, DType::bf16>;             \
+    case DType::f16: return &accumulate_span<A, DType::f16>;               \
+  }                                                                        \
+  break;
+  switch (acc) {
+    case DType::f32: MBS_GRAD_CASES(DType::f32)
+    case DType::f64: MBS_GRAD_CASES(DType::f64)
+    case DType::bf16: MBS_GRAD_CASES(DType::bf16)
+    case DType::f16: MBS_GRAD_CASES(DType::f16)
+  }
+#undef MBS_GRAD_CASES
+  return nullptr;
+}
+
+struct Pair {
+  void* acc;
+  const void* grad;
+  int64_t numel;
+  DType acc_dtype;
+  DType grad_dtype;
+};
+
+// The whole set of pairs seen as one flat range of elements, so that parallel
+// work splits evenly however the elements are distributed over tensors.
+class FlatPairs {
+ public:
+  explicit FlatPairs(std::vector<Pair> pairs) : pairs_(std::move(pairs)) {
+    starts_.reserve(pairs_.size() + 1);
+    int64_t total = 0;
+    for (const auto& p : pairs_) {
+      starts_.push_back(total);
+      total += p.numel;
+    }
+    starts_.push_back(total);
+  }
+
+  int64_t total() const { return starts_.back(); }
+
+  // Processes flat elements [begin, end); returns true if a non-finite grad was seen.
+  bool run(int64_t begin, int64_t end, double scale) const {
+    if (begin >= end) return false;
+    // First pair whose range contains `begin` (skipping empty pairs).
+    auto it = std::upper_bound(starts_.begin(), starts_.end() - 1, begin);
+    size_t idx = static_cast<size_t>(it - starts_.begin()) - 1;
+    bool bad = false;
+    while (begin < end && idx < pairs_.size()) {
+      const Pair& p = pairs_[idx];
+      const int64_t lo = begin - starts_[idx];
+      const int64_t hi = std::min(end, starts_[idx + 1]) - starts_[idx];
+      if (hi > lo) {
+        auto* acc = static_cast<char*>(p.acc) + lo * element_size(p.acc_dtype);
+        const auto* grad = static_cast<const char*>(p.grad) + lo * element_size(p.grad_dtype);
+        bad |= span_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, hi - lo, scale);
+        begin = starts_[idx] + hi;
+      }
+      ++idx;
+    }
+    return bad;
+  }
+
+ private:
+  std::vector<Pair> pairs_;
+  std::vector<int64_t> starts_;
+};
+
+}  // namespace mbs::native

@@ -1,0 +1,13 @@
+// A tiny assertion helper for the native unit tests (no test framework needed).
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+
+#define MBS_CHECK(...)                                                        \
+  do {                                                                        \
+    if (!(__VA_ARGS__)) {                                                       \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #__VA_ARGS__); \
+      std::exit(1);                                                           \
+    }                                                                         \
+  } while (0)

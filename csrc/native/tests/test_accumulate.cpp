@@ -1,0 +1,116 @@
+// Unit tests of the CPU scale-and-accumulate core: exact conversions, rounding,
+// non-finite detection, and that splitting the flat range across threads covers
+// every element exactly once.
+#include <cmath>
+#include <limits>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "native/accumulate.h"
+#include "native/check.h"
+
+using namespace mbs::native;
+
+static void test_half_round_trip() {
+  // Every half bit pattern converts to float and back unchanged (NaNs stay NaN).
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = f16_to_f32(static_cast<uint16_t>(h));
+    const uint16_t back = f32_to_f16(f);
+    if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu)) {
+      MBS_CHECK(std::isnan(f));
+      MBS_CHECK((back & 0x7c00u) == 0x7c00u && (back & 0x3ffu));
+    } else {
+      MBS_CHECK(back == h);
+    }
+  }
+  MBS_CHECK(f16_to_f32(0x3c00) == 1.0f);
+  MBS_CHECK(f16_to_f32(0x0001) == std::ldexp(1.0f, -24));
+  MBS_CHECK(f32_to_f16(65520.0f) == 0x7c00);   // rounds up to inf
+  MBS_CHECK(f32_to_f16(65519.0f) == 0x7bff);   // largest finite
+  MBS_CHECK(f32_to_f16(1.0f + std::ldexp(1.0f, -11)) == 0x3c00);  // tie -> even
+  MBS_CHECK(f32_to_f16(std::ldexp(1.0f, -25)) == 0x0000);         // tie -> even (zero)
+  MBS_CHECK(f32_to_f16(std::ldexp(3.0f, -26)) == 0x0001);
+}
+
+static void test_bf16_round_trip() {
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = bf16_to_f32(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      MBS_CHECK(std::isnan(bf16_to_f32(f32_to_bf16(f))));
+    } else {
+      MBS_CHECK(f32_to_bf16(f) == h);
+    }
+  }
+  MBS_CHECK(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3f80);  // tie -> even
+  MBS_CHECK(f32_to_bf16(1.0f + std::ldexp(3.0f, -8)) == 0x3f82);  // tie -> even (up)
+}
+
+static void test_accumulate_matches_double() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  const int64_t n = 1003;
+  std::vector<float> acc(n), grad(n);
+  std::vector<double> ref(n);
+  for (int64_t i = 0; i < n; ++i) {
+    acc[i] = dist(rng);
+    grad[i] = dist(rng);
+    ref[i] = static_cast<double>(acc[i]) + 0.37 * static_cast<double>(grad[i]);
+  }
+  const bool bad = accumulate_span<DType::f32, DType::f32>(acc.data(), grad.data(), n, 0.37);
+  MBS_CHECK(!bad);
+  for (int64_t i = 0; i < n; ++i) MBS_CHECK(std::fabs(acc[i] - ref[i]) <= 1e-6 * (1 + std::fabs(ref[i])));
+}
+
+static void test_nonfinite_flag() {
+  for (float poison : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN()}) {
+    for (int64_t pos : {0, 5, 16}) {
+      std::vector<double> acc(17, 1.0);
+      std::vector<uint16_t> grad(17, f32_to_bf16(2.0f));
+      grad[pos] = f32_to_bf16(poison);
+      MBS_CHECK(accumulate_span<DType::f64, DType::bf16>(acc.data(), grad.data(), 17, 0.5));
+      MBS_CHECK(!std::isfinite(acc[pos]));  // propagates into the accumulator
+      MBS_CHECK(acc[(pos + 1) % 17] == 2.0);
+    }
+  }
+}
+
+static void test_flat_split_covers_everything() {
+  // Many tensors of odd sizes (including empty ones), split into ranges processed
+  // concurrently: each element must receive exactly one scaled add.
+  std::vector<std::vector<float>> accs, grads;
+  std::vector<Pair> pairs;
+  std::mt19937 rng(3);
+  for (int t = 0; t < 257; ++t) {
+    const int64_t n = (t % 5 == 0) ? 0 : static_cast<int64_t>(rng() % 300);
+    accs.emplace_back(n, 1.0f);
+    grads.emplace_back(n, 2.0f);
+  }
+  for (size_t t = 0; t < accs.size(); ++t)
+    pairs.push_back({accs[t].data(), grads[t].data(), static_cast<int64_t>(accs[t].size()), DType::f32,
+                     DType::f32});
+  const FlatPairs flat(pairs);
+  const int64_t total = flat.total();
+  const int threads = 4;
+  std::vector<std::thread> pool;
+  for (int k = 0; k < threads; ++k) {
+    pool.emplace_back([&, k] {
+      const int64_t begin = total * k / threads, end = total * (k + 1) / threads;
+      for (int64_t b = begin; b < end; b += 97) flat.run(b, std::min(end, b + 97), 0.25);
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (const auto& a : accs)
+    for (float v : a) MBS_CHECK(v == 1.5f);
+}
+
+int main() {
+  test_half_round_trip();
+  test_bf16_round_trip();
+  test_accumulate_matches_double();
+  test_nonfinite_flag();
+  test_flat_split_covers_everything();
+  std::puts("test_accumulate: ok");
+  return 0;
+}

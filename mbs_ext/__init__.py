@@ -1,0 +1,28 @@
+"""mbs_ext: Micro-Batch Streaming for PyTorch.
+
+Train with a mini-batch far larger than device memory: the batch stays on the host,
+streams to the device in micro-batches, gradients accumulate with exact loss
+normalization, and one optimizer step equals the full-batch step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mbs_ext._native import _C
+from mbs_ext._version import __version__
+from mbs_ext.ops import scale_accumulate_
+
+
+def build_info() -> dict:
+    """What this installed build contains (CUDA kernels compiled, archs, OpenMP, versions)."""
+    return {
+        "cuda_compiled": bool(_C.cuda_compiled),
+        "cuda_archs": [a for a in str(_C.cuda_archs).split(",") if a],
+        "torch_version": torch.__version__,
+        "openmp": bool(_C.openmp),
+        "version": __version__,
+    }
+
+
+__all__ = ["__version__", "build_info", "scale_accumulate_"]

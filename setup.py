@@ -1,0 +1,124 @@
+"""Build mbs_ext._C with torch.utils.cpp_extension.
+
+CUDA sources are compiled whenever the installed torch has CUDA and a CUDA toolkit
+is found -- a GPU is not needed to compile. ``MBS_EXT_CUDA=0`` forces a CPU-only
+build, ``MBS_EXT_CUDA=1`` turns a missing toolkit into an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def _find_cuda_home() -> str | None:
+    """Locate a real CUDA toolkit (one that has include/cuda_runtime.h).
+
+    torch guesses CUDA_HOME from ``which nvcc``; when ``nvcc`` on PATH is a wrapper
+    script that guess is wrong, so follow the wrapper to the real compiler.
+    """
+    candidates: list[Path] = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(nvcc).resolve()
+        candidates.append(real.parent.parent)
+        try:  # a shell wrapper: look for an absolute .../bin/nvcc inside it
+            text = real.read_text(errors="ignore") if real.stat().st_size < 65536 else ""
+        except OSError:
+            text = ""
+        for token in text.replace('"', " ").replace("'", " ").split():
+            if token.startswith("/") and token.endswith("/bin/nvcc"):
+                candidates.append(Path(token).resolve().parent.parent)
+    candidates += [Path("/usr/local/cuda")] + sorted(
+        Path(p) for p in glob.glob("/usr/local/cuda-*")
+    )
+    for home in candidates:
+        if (home / "include" / "cuda_runtime.h").is_file() and (home / "bin" / "nvcc").exists():
+            return str(home.resolve())
+    return None
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("MBS_EXT_CUDA", "").strip()
+    if flag == "0":
+        return False
+    import torch
+
+    home = _find_cuda_home()
+    if torch.version.cuda is None or home is None:
+        if flag == "1":
+            raise RuntimeError(
+                "MBS_EXT_CUDA=1 but a CUDA build is impossible: "
+                f"torch.version.cuda={torch.version.cuda!r}, CUDA toolkit found at {home!r}. "
+                "Install a CUDA build of torch and set CUDA_HOME to the toolkit root."
+            )
+        return False
+    os.environ["CUDA_HOME"] = home
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        try:
+            has_gpu = torch.cuda.is_available()
+        except Exception:
+            has_gpu = False
+        if not has_gpu:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+    return True
+
+
+def _extension():
+    import torch
+    from torch.utils import cpp_extension
+
+    use_cuda = _want_cuda()
+    if use_cuda:
+        # cpp_extension read CUDA_HOME at import time; refresh it with the real toolkit.
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
+
+    sources = sorted(glob.glob("csrc/ops/*.cpp") + glob.glob("csrc/ops/cpu/*.cpp"))
+    sources += sorted(glob.glob("csrc/ring/*.cpp") + glob.glob("csrc/native/*.cpp"))
+    sources += ["csrc/module.cpp"]
+    define_macros: list[tuple[str, str | None]] = []
+    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    extra_link: list[str] = []
+    openmp = torch.backends.openmp.is_available()
+    if openmp:
+        cxx_flags.append("-fopenmp")
+        extra_link.append("-fopenmp")
+    define_macros.append(("MBS_EXT_OPENMP", "1" if openmp else "0"))
+    if use_cuda:
+        sources += sorted(glob.glob("csrc/ops/cuda/*.cu") + glob.glob("csrc/ring/cuda/*.cpp"))
+        define_macros.append(("MBS_EXT_WITH_CUDA", "1"))
+        cls = cpp_extension.CUDAExtension
+        extra = {"cxx": cxx_flags, "nvcc": ["-O3"]}
+    else:
+        cls = cpp_extension.CppExtension
+        extra = {"cxx": cxx_flags}
+    return cls(
+        name="mbs_ext._C",
+        sources=sources,
+        include_dirs=[str(ROOT / "csrc")],
+        define_macros=define_macros,
+        extra_compile_args=extra,
+        extra_link_args=extra_link,
+    )
+
+
+def main() -> None:
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+main()
