@@ -10,59 +10,71 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__GNUC__)
+#define MBS_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define MBS_ALWAYS_INLINE inline
+#endif
+
+// The baseline x86-64 build only has 128-bit SSE2; an AVX2 clone of each loop is
+// picked at run time when the CPU has it (same arithmetic: no FMA contraction).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MBS_HAVE_AVX2_CLONES 1
+#else
+#define MBS_HAVE_AVX2_CLONES 0
+#endif
+
 namespace mbs::native {
 
 enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
 
-inline float bits_to_f32(uint32_t u) {
+MBS_ALWAYS_INLINE float bits_to_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-inline uint32_t f32_to_bits(float f) {
+MBS_ALWAYS_INLINE uint32_t f32_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return u;
 }
 
-inline float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
+MBS_ALWAYS_INLINE float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
 
-// Round to nearest even; NaN stays a quiet NaN with its sign.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u = f32_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+// Round to nearest even; NaN stays a quiet NaN with its sign. Branch-free so the
+// accumulate loops vectorize.
+MBS_ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_to_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // Exact for every half value: normals and subnormals go through one multiply by
 // 2^112 (the exponent-bias difference), inf/NaN keep an all-ones exponent.
-inline float f16_to_f32(uint16_t h) {
+MBS_ALWAYS_INLINE float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t magnitude = h & 0x7fffu;
   const uint32_t shifted = magnitude << 13;
-  float f = bits_to_f32(shifted) * 0x1p112f;
-  if (magnitude >= 0x7c00u) f = bits_to_f32(shifted | 0x7f800000u);
-  return bits_to_f32(f32_to_bits(f) | sign);
+  const uint32_t finite = f32_to_bits(bits_to_f32(shifted) * 0x1p112f);
+  const uint32_t special = shifted | 0x7f800000u;
+  return bits_to_f32((magnitude >= 0x7c00u ? special : finite) | sign);
 }
 
 // Round to nearest even, overflow to inf, subnormals rounded correctly.
-inline uint16_t f32_to_f16(float value) {
-  uint32_t u = f32_to_bits(value);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  u &= 0x7fffffffu;
-  uint32_t out;
-  if (u >= 0x47800000u) {  // >= 2^16, inf or NaN
-    out = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  } else if (u < 0x38800000u) {  // below the smallest normal half (2^-14)
-    // Adding 0.5 lets the FPU round the 10-bit subnormal mantissa for us.
-    const float rounded = bits_to_f32(u) + 0.5f;
-    out = f32_to_bits(rounded) - 0x3f000000u;
-  } else {
-    const uint32_t odd = (u >> 13) & 1u;
-    u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round
-    out = u >> 13;
-  }
+// All three cases are computed and selected, so the loops stay branch-free.
+MBS_ALWAYS_INLINE uint16_t f32_to_f16(float value) {
+  const uint32_t all = f32_to_bits(value);
+  const uint32_t sign = (all >> 16) & 0x8000u;
+  const uint32_t u = all & 0x7fffffffu;
+  // >= 2^16: inf, or a quiet NaN.
+  const uint32_t special = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  // Below the smallest normal half (2^-14): adding 0.5 lets the FPU round the
+  // 10-bit subnormal mantissa for us.
+  const uint32_t subnormal = f32_to_bits(bits_to_f32(u) + 0.5f) - 0x3f000000u;
+  // Normal: rebias the exponent (-112 << 23) and round to nearest even.
+  const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+  const uint32_t out = u >= 0x47800000u ? special : (u < 0x38800000u ? subnormal : normal);
   return static_cast<uint16_t>(out | sign);
 }
 
@@ -76,34 +88,34 @@ template <> struct Storage<DType::f16> { using type = uint16_t; };
 template <DType A> struct Compute { using type = float; };
 template <> struct Compute<DType::f64> { using type = double; };
 
-template <DType D, typename C> inline C load(const typename Storage<D>::type* p) {
+template <DType D, typename C> MBS_ALWAYS_INLINE C load(const typename Storage<D>::type* p) {
   if constexpr (D == DType::bf16) return static_cast<C>(bf16_to_f32(*p));
   else if constexpr (D == DType::f16) return static_cast<C>(f16_to_f32(*p));
   else return static_cast<C>(*p);
 }
 
-template <DType D, typename C> inline void store(typename Storage<D>::type* p, C v) {
+template <DType D, typename C> MBS_ALWAYS_INLINE void store(typename Storage<D>::type* p, C v) {
   if constexpr (D == DType::bf16) *p = f32_to_bf16(static_cast<float>(v));
   else if constexpr (D == DType::f16) *p = f32_to_f16(static_cast<float>(v));
   else *p = static_cast<typename Storage<D>::type>(v);
 }
 
 // acc[i] += scale * grad[i] for i in [0, n); returns true when a grad element is
-// inf or NaN. `g * 0` is 0 for finite g and NaN otherwise, so the check is a
-// branch-free sum that the compiler vectorizes with the main loop.
+// inf or NaN (g - g is 0 exactly for finite g). The flag is an integer OR, not a
+// float sum, so the compiler may vectorize the loop without reassociating math.
 template <DType A, DType G>
-bool accumulate_span(void* acc_raw, const void* grad_raw, int64_t n, double scale) {
+MBS_ALWAYS_INLINE bool accumulate_span(void* acc_raw, const void* grad_raw, int64_t n, double scale) {
   using C = typename Compute<A>::type;
-  auto* acc = static_cast<typename Storage<A>::type*>(acc_raw);
-  const auto* grad = static_cast<const typename Storage<G>::type*>(grad_raw);
+  auto* __restrict__ acc = static_cast<typename Storage<A>::type*>(acc_raw);
+  const auto* __restrict__ grad = static_cast<const typename Storage<G>::type*>(grad_raw);
   const C s = static_cast<C>(scale);
-  C poison = 0;
+  unsigned bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const C g = load<G, C>(grad + i);
-    poison += g * C(0);
+    bad |= static_cast<unsigned>((g - g) != C(0));
     store<A, C>(acc + i, load<A, C>(acc + i) + s * g);
   }
-  return poison != poison;
+  return bad != 0;
 }
 
 inline int64_t element_size(DType d) {
@@ -112,13 +124,40 @@ inline int64_t element_size(DType d) {
 
 using SpanFn = bool (*)(void*, const void*, int64_t, double);
 
+template <DType A, DType G> bool accumulate_span_default(void* acc, const void* grad, int64_t n, double s) {
+  return accumulate_span<A, G>(acc, grad, n, s);
+}
+
+#if MBS_HAVE_AVX2_CLONES
+template <DType A, DType G>
+__attribute__((target("avx2"))) bool accumulate_span_avx2(void* acc, const void* grad, int64_t n, double s) {
+  return accumulate_span<A, G>(acc, grad, n, s);
+}
+#endif
+
+inline bool cpu_has_avx2() {
+#if MBS_HAVE_AVX2_CLONES
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <DType A, DType G> SpanFn pick_span_kernel() {
+#if MBS_HAVE_AVX2_CLONES
+  if (cpu_has_avx2()) return &accumulate_span_avx2<A, G>;
+#endif
+  return &accumulate_span_default<A, G>;
+}
+
 inline SpanFn span_kernel(DType acc, DType grad) {
 #define MBS_GRAD_CASES(A)                                                  \
   switch (grad) {                                                          \
-    case DType::f32: return &accumulate_span<A, DType::f32>;               \
-    case DType::f64: return &accumulate_span<A, DType::f64>;               \
-    case DType::bf16: return &accumulate_span<A, DType::bf16>;             \
-    case DType::f16: return &accumulate_span<A, DType::f16>;               \
+    case DType::f32: return pick_span_kernel<A, DType::f32>();             \
+    case DType::f64: return pick_span_kernel<A, DType::f64>();             \
+    case DType::bf16: return pick_span_kernel<A, DType::bf16>();           \
+    case DType::f16: return pick_span_kernel<A, DType::f16>();             \
   }                                                                        \
   break;
   switch (acc) {

@@ -1,0 +1,93 @@
+"""Fused scale-and-accumulate vs torch's foreach, a per-tensor loop, and one big add_.
+
+Run: ``pytest bench/bench_accumulate.py``. All variants run side by side in one
+session (this machine is shared and noisy), so only their ratios are claimed.
+Bytes moved per element: read acc + write acc + read grad.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from shapes import MODELS
+
+import mbs_ext
+
+CASES = {"fp32->fp32": (torch.float32, torch.float32), "bf16->fp32": (torch.float32, torch.bfloat16)}
+METHODS = ["fused", "foreach", "loop", "ceiling"]
+SCALE = 0.125
+_medians: dict[tuple[str, str, str], float] = {}
+_bytes: dict[tuple[str, str], int] = {}
+
+
+def _make(model: str, case: str):
+    acc_dtype, grad_dtype = CASES[case]
+    shapes = MODELS[model]()
+    gen = torch.Generator().manual_seed(0)
+    accs = [torch.randn(s, generator=gen, dtype=acc_dtype) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(grad_dtype) for s in shapes]
+    numel = sum(math.prod(s) for s in shapes)
+    _bytes[(model, case)] = numel * (2 * accs[0].element_size() + grads[0].element_size())
+    return accs, grads, numel
+
+
+def _runner(method: str, accs, grads, numel):
+    if method == "fused":
+        found_inf = torch.zeros(())
+        return lambda: mbs_ext.scale_accumulate_(accs, grads, SCALE, found_inf)
+    if method == "foreach":
+        return lambda: torch._foreach_add_(accs, grads, alpha=SCALE)
+    if method == "loop":
+        def loop():
+            for a, g in zip(accs, grads):
+                a.add_(g, alpha=SCALE)
+        return loop
+    big_acc = torch.randn(numel, dtype=accs[0].dtype)
+    big_grad = torch.randn(numel).to(grads[0].dtype)
+    return lambda: big_acc.add_(big_grad, alpha=SCALE)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_accumulate(benchmark, model, case, method):
+    accs, grads, numel = _make(model, case)
+    fn = _runner(method, accs, grads, numel)
+    benchmark.group = f"accumulate {model} {case}"
+    benchmark.extra_info["bytes"] = _bytes[(model, case)]
+    benchmark.pedantic(fn, rounds=7, iterations=1, warmup_rounds=2)
+    _medians[(model, case, method)] = benchmark.stats.stats.median
+
+
+def test_report():
+    """Ratios of the medians above; written to bench/results/accumulate.{json,md}."""
+    if len(_medians) < len(MODELS) * len(CASES) * len(METHODS):
+        pytest.skip("run the whole module to get the report")
+    from _results import write
+
+    rows, data = [], {}
+    for model in MODELS:
+        for case in CASES:
+            med = {m: _medians[(model, case, m)] for m in METHODS}
+            gbs = {m: _bytes[(model, case)] / med[m] / 1e9 for m in METHODS}
+            row = {
+                "model": model,
+                "case": case,
+                "fused GB/s": gbs["fused"],
+                "foreach GB/s": gbs["foreach"],
+                "loop GB/s": gbs["loop"],
+                "ceiling GB/s": gbs["ceiling"],
+                "fused vs foreach": med["foreach"] / med["fused"],
+                "fused vs ceiling": med["ceiling"] / med["fused"],
+            }
+            rows.append(row)
+            data[f"{model} {case}"] = {"median_s": med, "gb_per_s": gbs}
+    write(
+        "accumulate",
+        {"results": data, "targets": {"fp32 vs foreach": 1.1, "fp32 vs ceiling": 0.85, "bf16 vs foreach": 4.0}},
+        rows,
+        note=f"Medians of 7 rounds, {torch.get_num_threads()} threads, side by side in one run. "
+        "Ratios > 1 mean the fused op is faster.",
+    )
