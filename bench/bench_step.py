@@ -1,0 +1,183 @@
+"""Step overhead: mbs_ext.step vs a full-batch step, a hand-written loop, and mbp-pytorch.
+
+At mini-batch B=512 split into k = 1, 2, 4, 8 micro-batches, on an MLP and a small
+CNN (CPU). What micro-batching itself costs or saves is the hand-written loop vs the
+full batch; what mbs_ext adds on top is step vs the hand-written loop; mbp-pytorch
+(the papers' authors' package) runs at the same micro-batch size. A second study
+times the two ways to accumulate micro-batch gradients (autograd into .grad with
+the weight folded into the loss, vs fresh grads + the fused op) to justify the
+choice step makes. All variants run side by side in one session; only ratios count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mbs_ext
+
+B = 512
+KS = [1, 2, 4, 8]
+ROUNDS = 15
+_medians: dict[tuple, float] = {}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )
+
+
+MODELS = {"mlp": (mlp, (256,)), "cnn": (cnn, (3, 32, 32))}
+
+
+def _data(model_name: str):
+    gen = torch.Generator().manual_seed(1)
+    shape = MODELS[model_name][1]
+    return torch.randn(B, *shape, generator=gen), torch.randint(0, 10, (B,), generator=gen)
+
+
+def _setup(model_name: str):
+    model = MODELS[model_name][0]()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return model, opt, nn.CrossEntropyLoss()
+
+
+def _full(model, opt, loss_fn, x, y, m):
+    def run():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return run
+
+
+def _hand(model, opt, loss_fn, x, y, m):
+    def run():
+        opt.zero_grad()
+        for xs, ys in zip(x.split(m), y.split(m)):
+            (loss_fn(model(xs), ys) * (len(ys) / B)).backward()
+        opt.step()
+    return run
+
+
+def _step(model, opt, loss_fn, x, y, m):
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, loss_fn, micro_batch_size=m)
+    return lambda: streamer.step((x, y))
+
+
+def _mbp(model, opt, loss_fn, x, y, m):
+    mbp = pytest.importorskip("mbp", reason="mbp-pytorch is in the bench extra")
+
+    @mbp.apply(["x", "y"], ub_size=m, device="cpu")
+    def train(model, loss_fn, x, y):
+        return loss_fn(model(x), y)
+
+    def run():
+        opt.zero_grad()
+        train(model, loss_fn, x=x, y=y)
+        opt.step()
+    return run
+
+
+VARIANTS = {"full": _full, "hand": _hand, "step": _step, "mbp": _mbp}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_step_overhead(benchmark, model_name, k, variant):
+    if variant == "full" and k != 1:
+        pytest.skip("the full batch has no k")
+    x, y = _data(model_name)
+    run = VARIANTS[variant](*_setup(model_name), x, y, B // k)
+    benchmark.group = f"step {model_name} k={k}"
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=2)
+    _medians[("step", model_name, k, variant)] = benchmark.stats.stats.median
+
+
+def _autograd_path(model, loss_fn, x, y, m):
+    params = [p for p in model.parameters()]
+
+    def run():
+        for p in params:
+            p.grad = None
+        for xs, ys in zip(x.split(m), y.split(m)):
+            (loss_fn(model(xs), ys) * (len(ys) / B)).backward()
+    return run
+
+
+def _fused_path(model, loss_fn, x, y, m):
+    params = [p for p in model.parameters()]
+    accs = [torch.zeros_like(p) for p in params]
+    found_inf = torch.zeros(())
+
+    def run():
+        for a in accs:
+            a.zero_()
+        for xs, ys in zip(x.split(m), y.split(m)):
+            for p in params:
+                p.grad = None
+            loss_fn(model(xs), ys).backward()
+            mbs_ext.scale_accumulate_(accs, [p.grad for p in params], len(ys) / B, found_inf)
+    return run
+
+
+@pytest.mark.parametrize("path", ["autograd", "fused"])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_accumulate_path(benchmark, model_name, path):
+    x, y = _data(model_name)
+    model, _opt, loss_fn = _setup(model_name)
+    run = (_autograd_path if path == "autograd" else _fused_path)(model, loss_fn, x, y, B // 8)
+    benchmark.group = f"accumulate path {model_name} k=8"
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=2)
+    _medians[("path", model_name, path)] = benchmark.stats.stats.median
+
+
+def test_report():
+    """Ratios of medians, written to bench/results/step.{json,md}."""
+    from _results import write
+
+    rows, data = [], {}
+    for name in MODELS:
+        full = _medians.get(("step", name, 1, "full"))
+        for k in KS:
+            hand, step, mbp = (_medians.get(("step", name, k, v)) for v in ("hand", "step", "mbp"))
+            if None in (full, hand, step):
+                pytest.skip("run the whole module to get the report")
+            row = {
+                "model": name, "k": k, "micro": B // k,
+                "full ms": full * 1e3, "hand ms": hand * 1e3, "step ms": step * 1e3,
+                "mbp ms": mbp * 1e3 if mbp else float("nan"),
+                "step / hand": step / hand, "step / mbp": step / mbp if mbp else float("nan"),
+                "hand / full": hand / full,
+            }
+            rows.append(row)
+            data[f"{name} k={k}"] = row
+    paths = {
+        name: {
+            "autograd_s": _medians[("path", name, "autograd")],
+            "fused_s": _medians[("path", name, "fused")],
+            "fused / autograd": _medians[("path", name, "fused")] / _medians[("path", name, "autograd")],
+        }
+        for name in MODELS
+        if ("path", name, "fused") in _medians
+    }
+    write(
+        "step",
+        {"B": B, "rounds": ROUNDS, "results": data, "accumulate_path": paths,
+         "targets": {"step / hand cnn": 1.02, "step / hand mlp": 1.05, "step / mbp": 1.0}},
+        rows,
+        note=f"CPU, B={B}, medians of {ROUNDS} rounds side by side, {torch.get_num_threads()} threads. "
+        "Accumulation path at k=8 (fused / autograd, < 1 means the fused op is faster): "
+        + ", ".join(f"{n} {v['fused / autograd']:.3f}" for n, v in paths.items()),
+    )
+

@@ -1,0 +1,3 @@
+from mbs_ext.cli import main
+
+raise SystemExit(main())
