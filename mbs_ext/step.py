@@ -362,7 +362,7 @@ class _Run:
         self.s.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def rollback(self, clear_grads: bool) -> None:
+    def rollback(self, clear_grads: bool, restore_scaler: bool = True) -> None:
         """Undo every change made before the optimizer step."""
         for layer in self.bn:
             layer.discard()
@@ -371,7 +371,7 @@ class _Run:
         if clear_grads:
             self._clear_grads()
         scaler = self.s.scaler
-        if scaler is not None and self.scaler_state is not None:
+        if restore_scaler and scaler is not None and self.scaler_state is not None:
             if self.unscaled and not self.updated:
                 with contextlib.suppress(Exception):
                     scaler.update()  # drops the per-optimizer unscale record
@@ -514,7 +514,8 @@ class _Run:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = None
         if s.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(grads, s.max_grad_norm) if grads else torch.zeros(())
+            with_grad = [p for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, s.max_grad_norm) if with_grad else torch.zeros(())
             found = (~torch.isfinite(norm)).to(torch.float32).to(self.device)
         else:
             found = _nonfinite_flag(grads, self.device)
@@ -535,10 +536,10 @@ class _Run:
                 if s.on_nonfinite == "raise":
                     raise FloatingPointError(f"mbs_ext.step: {msg}; nothing was changed")
                 warnings.warn(f"mbs_ext.step: {msg}; the optimizer step was skipped", RuntimeWarning, stacklevel=4)
-            self.rollback(clear_grads=False)
             if scaler is not None:
                 scaler.update()  # backs off when the gradients overflowed
                 self.updated = True
+            self.rollback(clear_grads=False, restore_scaler=False)
         else:
             for layer in self.bn:
                 layer.commit()
