@@ -366,7 +366,7 @@ def test_grad_scaler_injected_inf_skips_and_backs_off_once():
     mbs_ext.step(model, opt, pair(6, torch.float32), mse, micro_batch_size=3, scaler=scaler)
     before = snapshot(model, opt)
     x, y = pair(10, torch.float32, seed=5)
-    x[7, 1] = float("inf")
+    y[7, 1] = float("inf")
     with pytest.warns(RuntimeWarning, match="non-finite"):
         res = mbs_ext.step(model, opt, (x, y), mse, micro_batch_size=3, scaler=scaler)
     assert res.skipped
