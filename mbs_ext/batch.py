@@ -58,7 +58,9 @@ def check_indices(indices: Any, dataset_rows: int) -> torch.Tensor:
     indices = indices.to(device="cpu", dtype=torch.int64)
     lo, hi = int(indices.min()), int(indices.max())
     if lo < 0 or hi >= dataset_rows:
-        raise ValueError(f"indices must lie in [0, {dataset_rows}) (dataset rows), got values in [{lo}, {hi}]")
+        raise ValueError(
+            f"indices must lie in [0, {dataset_rows}) (the dataset's rows), got values in [{lo}, {hi}]"
+        )
     return indices
 
 

@@ -26,10 +26,10 @@ def check_normalize(normalize: Any) -> None:
     """Reject anything but a known rule name or a callable."""
     if isinstance(normalize, str):
         if normalize not in RULES:
-            raise ValueError(f"normalize must be one of {RULES} or a callable count(micro_batch), got {normalize!r}")
+            raise ValueError(f"normalize must be one of {RULES} or a callable, got {normalize!r}")
     elif not callable(normalize):
         raise TypeError(
-            f"normalize must be one of {RULES} or a callable count(micro_batch), got {type(normalize).__name__}"
+            f"normalize must be one of {RULES} or a callable count(batch), got {type(normalize).__name__}"
         )
 
 
@@ -70,5 +70,6 @@ def check_total(total: float) -> None:
     """A zero total count leaves the mean loss undefined."""
     if total == 0:
         raise ValueError(
-            "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
+            "normalize: the counts of the whole mini-batch sum to 0 (no loss items); "
+            "the mean loss is undefined"
         )

@@ -27,9 +27,12 @@ class StreamRing:
         self.slots = slots
         self._stats = {"stage_s": 0.0, "wait_s": 0.0, "micro_batches": 0, "bytes": 0}
 
-    def stream(self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None) -> Iterator[Any]:
+    def stream(
+        self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None
+    ) -> Iterator[Any]:
         """Yield micro-batches on ``device``, covering the rows once, in order."""
-        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        m = micro_batch_size
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
         rows = _batch.check_batch(batch)
         if indices is not None:

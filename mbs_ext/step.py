@@ -85,7 +85,8 @@ def _check_micro_batch_size(micro_batch_size: Any) -> None:
             raise ValueError(f"micro_batch_size must be an int >= 1 or 'auto', got {micro_batch_size!r}")
         return
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral):
-        raise TypeError(f"micro_batch_size must be an int >= 1 or 'auto', got {type(micro_batch_size).__name__}")
+        kind = type(micro_batch_size).__name__
+        raise TypeError(f"micro_batch_size must be an int >= 1 or 'auto', got {kind}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size}")
 
@@ -110,7 +111,7 @@ def _check_options(
     on_nonfinite: Any,
 ) -> None:
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
     _check_micro_batch_size(micro_batch_size)
     _norm.check_normalize(normalize)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
@@ -119,7 +120,8 @@ def _check_options(
     _check_dtype(accumulate_dtype, "accumulate_dtype")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
-            raise TypeError(f"max_grad_norm must be a positive number or None, got {type(max_grad_norm).__name__}")
+            kind = type(max_grad_norm).__name__
+            raise TypeError(f"max_grad_norm must be a positive number or None, got {kind}")
         if math.isnan(max_grad_norm) or max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     if on_nonfinite not in _ON_NONFINITE:
@@ -156,7 +158,7 @@ def _check_loss(loss: Any, device: torch.device) -> None:
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a 0-dim (scalar) tensor, got shape {tuple(loss.shape)}")
     if not loss.requires_grad:
-        raise ValueError("loss_fn returned a tensor that does not require grad (is it detached from the model?)")
+        raise ValueError("loss_fn returned a tensor that does not require grad (detached from the model?)")
     if loss.device != device:
         raise ValueError(f"loss_fn returned a tensor on {loss.device}, but the model is on {device}")
 
@@ -354,7 +356,10 @@ class _Run:
         start = self.index * self.m
         stop = min(start + self.m, self.rows)
         of = "indices" if self.indices is not None else "the mini-batch"
-        return f"mbs_ext.step: failed at micro-batch {self.index} of {self.num_mb} (rows [{start}, {stop}) of {of})"
+        return (
+            f"mbs_ext.step: failed at micro-batch {self.index} of {self.num_mb} "
+            f"(rows [{start}, {stop}) of {of})"
+        )
 
     def _clear_grads(self) -> None:
         for p in self.params:
@@ -379,7 +384,7 @@ class _Run:
 
     def _totals(self, local: list[float | torch.Tensor]) -> torch.Tensor:
         """Sum small per-rank totals over the DDP group in one collective (identity otherwise)."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in local])
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device).reshape(()) for v in local])
         if self.ddp:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
@@ -515,7 +520,10 @@ class _Run:
         norm = None
         if s.max_grad_norm is not None:
             with_grad = [p for p in self.params if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(with_grad, s.max_grad_norm) if with_grad else torch.zeros(())
+            if with_grad:
+                norm = torch.nn.utils.clip_grad_norm_(with_grad, s.max_grad_norm)
+            else:
+                norm = torch.zeros((), device=self.device)
             found = (~torch.isfinite(norm)).to(torch.float32).to(self.device)
         else:
             found = _nonfinite_flag(grads, self.device)
@@ -532,10 +540,13 @@ class _Run:
             skipped = True
             overflow = scaler is not None and math.isfinite(loss_value)
             if not overflow:
-                msg = f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient'} (loss={loss_value})"
+                what = "loss" if not math.isfinite(loss_value) else "gradient"
+                msg = f"non-finite {what} (loss={loss_value})"
                 if s.on_nonfinite == "raise":
                     raise FloatingPointError(f"mbs_ext.step: {msg}; nothing was changed")
-                warnings.warn(f"mbs_ext.step: {msg}; the optimizer step was skipped", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"mbs_ext.step: {msg}; the optimizer step was skipped", RuntimeWarning, stacklevel=4
+                )
             if scaler is not None:
                 scaler.update()  # backs off when the gradients overflowed
                 self.updated = True

@@ -136,7 +136,9 @@ def test_convert_shares_parameters_and_keeps_dtype_and_flags():
 
 def test_no_affine_and_no_running_stats():
     model = mbs_ext.convert_batchnorm(
-        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, track_running_stats=False))
+        nn.Sequential(
+            nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, track_running_stats=False)
+        )
     )
     model.double()
     x = torch.randn(8, 3, dtype=torch.float64)

@@ -92,7 +92,7 @@ def test_micro_batches_rule_is_wrong_on_uneven_tail():
     batch = pair(10)
     mbs_ext.step(model, opt, batch, mse, micro_batch_size=4, normalize="micro_batches")
     full_batch_step(ref, ropt, batch, mse)
-    errs = [rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+    errs = [rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     assert max(errs) > 1e-3
 
 
@@ -158,7 +158,7 @@ def test_token_masked_lm_micro_batches_rule_is_wrong():
     batch = lm_batch(12)
     mbs_ext.step(model, opt, batch, lm_loss, micro_batch_size=3, normalize="micro_batches")
     full_batch_step(ref, ropt, batch, lm_loss)
-    errs = [rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+    errs = [rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     assert max(errs) > 1e-3
 
 
@@ -424,7 +424,8 @@ def test_bf16_fp32_accumulation_beats_bf16_accumulation():
         mbs_ext.step(mm, torch.optim.SGD(mm.parameters(), lr=0.0), (x, y), loss_fn, micro_batch_size=1,
                      accumulate_dtype=acc)
         assert mm.weight.grad.dtype == torch.bfloat16
-        errs[acc] = max(rel_err(p.grad, q.grad) for p, q in zip(mm.parameters(), exact.parameters()))
+        pairs = zip(mm.parameters(), exact.parameters(), strict=True)
+        errs[acc] = max(rel_err(p.grad, q.grad) for p, q in pairs)
     assert errs[torch.bfloat16] > 0
     assert errs[None] * 10 <= errs[torch.bfloat16]
 
@@ -442,7 +443,7 @@ def test_autocast_bf16_runs_forward_in_bf16():
         seen_ref = len(seen)
         full_batch_step(ref, ropt, batch, loss_fn)
     assert seen[:seen_ref] == [torch.bfloat16] * 3
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert rel_err(p.grad, q.grad) < 5e-2
 
 
@@ -633,7 +634,8 @@ BAD = {
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_input(kind):
     model, opt, batch, loss_fn, kw = _bad(kind)
-    before = snapshot(model, opt) if isinstance(model, nn.Module) and isinstance(opt, torch.optim.Optimizer) else None
+    valid = isinstance(model, nn.Module) and isinstance(opt, torch.optim.Optimizer)
+    before = snapshot(model, opt) if valid else None
     with pytest.raises((TypeError, ValueError), match=BAD[kind]):
         mbs_ext.step(model, opt, batch, loss_fn, **kw)
     if before is not None:

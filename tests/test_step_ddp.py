@@ -54,7 +54,8 @@ def lm_data(n=11, t=6, vocab=11, empty_rows=()):
 
 def mlp_data(n=14):
     g = torch.Generator().manual_seed(9)
-    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    return x, torch.randn(n, 2, generator=g, dtype=torch.float64)
 
 
 def make_model(kind, dtype):
