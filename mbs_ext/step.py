@@ -235,6 +235,36 @@ class MicroBatchStreamer:
 
     Options are validated once here; the ring that stages micro-batches is created on
     first use and kept, so repeated steps reuse its host/device buffers.
+
+    Options (shared with :func:`step`):
+
+    * ``micro_batch_size``: int >= 1 (>= the batch size means one micro-batch); ``"auto"``
+      is reserved for a memory-budget based choice and not available yet.
+    * ``normalize``: ``"samples"`` (weight n_i/N, exact for any split),
+      ``"micro_batches"`` (1/M, wrong when micro-batches differ in size; for comparison)
+      or ``count(micro_batch) -> int | Tensor`` for losses that average over a variable
+      number of items (e.g. tokens); a tensor count costs one host sync per micro-batch.
+    * ``scaler``: a ``torch.amp.GradScaler``; the step is scaled per micro-batch and
+      unscaled, checked, stepped and updated once. Non-finite gradients with a finite
+      loss are treated as scaler overflow: skipped without a warning, whatever
+      ``on_nonfinite`` says.
+    * ``autocast_dtype``: runs forward and loss under ``torch.autocast``.
+    * ``accumulate_dtype``: dtype of separate accumulation buffers; by default float32
+      when any trainable parameter is bf16/fp16, otherwise autograd accumulates in
+      ``.grad`` directly.
+    * ``max_grad_norm``: clip the total norm of the final unscaled gradient.
+    * ``on_nonfinite``: ``"skip"`` leaves parameters, optimizer state and module buffers
+      unchanged (``.grad`` keeps the offending gradient for inspection, a GradScaler
+      still updates once) and warns; ``"raise"`` raises FloatingPointError with nothing
+      changed.
+
+    Under DistributedDataParallel the normalization is global (one small all-reduce
+    per step), so the step equals a single-process step on the concatenated batch.
+
+    Limits: a failure inside ``optimizer.step`` itself is not undone (that would need
+    a copy of the parameters and optimizer state every step); under DDP a failure on
+    one rank leaves the others waiting in their collectives; GradScaler refuses to
+    unscale fp16 parameters' gradients, as it does without streaming.
     """
 
     def __init__(
