@@ -4,8 +4,9 @@ Every rule is expressed as a per-micro-batch *count* ``c_i``; the mini-batch los
 ``sum_i c_i * loss_i / sum_i c_i``. With ``loss_i`` the mean over the micro-batch's
 items, that is exactly the mean over all items of the mini-batch when ``c_i`` is the
 number of items ("samples" or a count callable). "micro_batches" gives every
-micro-batch the same count, the rule of the micro-batch streaming papers; it is kept
-for comparison and is wrong whenever micro-batches hold different numbers of items.
+micro-batch the count 1 (weight 1/M; under DDP 1/M over all ranks' micro-batches), the
+rule of the micro-batch streaming papers; it is kept for comparison and is wrong
+whenever micro-batches hold different numbers of items.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def needs_count_pass(normalize: Normalize) -> bool:
     return callable(normalize) and not isinstance(normalize, str)
 
 
-def count(normalize: Normalize, micro_batch: Any, rows: int, num_micro_batches: int) -> float:
+def count(normalize: Normalize, micro_batch: Any, rows: int) -> float:
     """The count ``c_i`` of one micro-batch of ``rows`` rows.
 
     A count callable returning a tensor costs one host sync (``.item()``): its value is
@@ -47,7 +48,7 @@ def count(normalize: Normalize, micro_batch: Any, rows: int, num_micro_batches: 
     if normalize == "samples":
         return float(rows)
     if normalize == "micro_batches":
-        return 1.0 / num_micro_batches
+        return 1.0
     value = normalize(micro_batch)
     return check_count(value)
 

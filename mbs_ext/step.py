@@ -460,7 +460,7 @@ class _Run:
         local_total = 0.0
         # Provisional denominator: exact when known ahead, else an estimate fixed by the
         # first non-zero count; the accumulated gradient is rescaled once it is known.
-        denom = float(self.rows) if normalize == "samples" else 1.0
+        denom = float(self.rows) if normalize == "samples" else float(self.num_mb)
         denom_fixed = not _norm.needs_count_pass(normalize)
         global_total: float | None = None
         compute_s = 0.0
@@ -474,7 +474,7 @@ class _Run:
                     raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
                 t0 = time.perf_counter()
                 rows_i = min(self.m, self.rows - i * self.m)
-                c = _norm.count(normalize, mb, rows_i, self.num_mb)
+                c = _norm.count(normalize, mb, rows_i)
                 local_total += c
                 if not denom_fixed and c > 0:
                     denom, denom_fixed = c * self.num_mb, True

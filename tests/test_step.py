@@ -641,3 +641,35 @@ def test_bad_input(kind):
     if before is not None:
         assert_bit_identical(snapshot(model, opt), before)
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_bf16_model_with_scaler_and_fp32_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).bfloat16()
+    exact = copy.deepcopy(model).double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    x, y = pair(21, torch.float32)
+    x, y = x.bfloat16(), y.bfloat16()
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b[0]).float(), b[1].float())
+
+    res = mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn,
+                       micro_batch_size=4, scaler=scaler)
+    loss_fn(exact, (x.double(), y.double())).backward()
+    assert not res.skipped and scaler.get_scale() == 2.0**12
+    for p, q in zip(model.parameters(), exact.parameters(), strict=True):
+        assert p.grad.dtype == torch.bfloat16
+        assert rel_err(p.grad, q.grad) < 3e-2
+
+
+def test_streamer_count_callable_over_several_steps():
+    model, opt, ref, ropt = lm_models()
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=3, normalize=token_count)
+    for k in range(3):
+        batch = lm_batch(7 + 2 * k, seed=k)
+        res = streamer.step(batch)
+        ref_loss, _ = full_batch_step(ref, ropt, batch, lm_loss)
+        assert abs(res.loss - ref_loss) <= 1e-12 * ref_loss
+    assert_models_match(model, ref, 1e-12)
+    assert all(int(s["step"]) == 3 for s in opt.state.values())
