@@ -500,7 +500,7 @@ class _Run:
                     if loss is not None and c == 0:
                         # Zero items: nothing to learn, but DDP still needs its one
                         # syncing backward; zero gradients reach every parameter.
-                        torch.stack([p.reshape(-1)[:1].sum() * 0.0 for p in self.params]).sum().backward()
+                        torch.autograd.backward([p.reshape(-1)[:1].sum() * 0.0 for p in self.params])
                     elif loss is not None:
                         self._backward(loss, weight)
                 if buffered and loss is not None:
