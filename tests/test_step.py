@@ -491,11 +491,14 @@ class Boom(Exception):
     pass
 
 
+@pytest.mark.parametrize("deferred_bn", [True, False])
 @pytest.mark.parametrize("exc_type", [Boom, KeyboardInterrupt])
 @pytest.mark.parametrize("fail_at", [0, 1, 2, 3])
-def test_atomic_on_error_at_every_micro_batch(fail_at, exc_type):
+def test_atomic_on_error_at_every_micro_batch(fail_at, exc_type, deferred_bn):
     torch.manual_seed(0)
-    model = mbs_ext.convert_batchnorm(BNNet().float())
+    model = BNNet().float()
+    if deferred_bn:
+        model = mbs_ext.convert_batchnorm(model)  # else plain BatchNorm: buffers change per micro-batch
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     mbs_ext.step(model, opt, pair(8, torch.float32, seed=3), mse, micro_batch_size=3, scaler=scaler)
