@@ -11,7 +11,10 @@ import torch
 
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
+from mbs_ext.batchnorm import convert_batchnorm
 from mbs_ext.ops import scale_accumulate_
+from mbs_ext.ring import StreamRing
+from mbs_ext.step import MicroBatchStreamer, StepResult, step
 
 
 def build_info() -> dict:
@@ -25,4 +28,13 @@ def build_info() -> dict:
     }
 
 
-__all__ = ["__version__", "build_info", "scale_accumulate_"]
+__all__ = [
+    "MicroBatchStreamer",
+    "StepResult",
+    "StreamRing",
+    "__version__",
+    "build_info",
+    "convert_batchnorm",
+    "scale_accumulate_",
+    "step",
+]

@@ -1,0 +1,163 @@
+"""BatchNorm whose running statistics are committed once per mini-batch.
+
+During a micro-batch streamed step a plain ``nn.BatchNorm`` would update its running
+statistics once per micro-batch, from micro-batch statistics, so they would differ from
+a full-batch forward. The deferred twins here keep the running buffers untouched while
+the mini-batch streams, merge each micro-batch's per-channel (count, mean, M2) with the
+parallel-variance rule, and commit once at the end -- with the unbiased n/(n-1)
+correction over the whole mini-batch -- so running_mean, running_var and
+num_batches_tracked equal one full-batch ``nn.BatchNorm`` forward.
+
+Limit: in training, each micro-batch is still *normalized* with its own batch
+statistics (the full-batch statistics are not known until the whole mini-batch has
+streamed), so activations and gradients equal the full-batch ones only when the
+micro-batch is the whole mini-batch. Each micro-batch needs more than one value per
+channel, like ``nn.BatchNorm``. A layer called more than once per micro-batch pools all
+its calls into one mini-batch update.
+
+Outside a streamed step the layers behave exactly like ``nn.BatchNorm``; their
+parameters, buffers and state_dict keys are those of ``nn.BatchNorm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _DeferredStats:
+    """Mixin holding the pending per-channel (count, mean, M2) of one mini-batch."""
+
+    def _deferred_init(self) -> None:
+        self._collecting = False
+        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def begin_mini_batch(self) -> None:
+        """Start collecting: running statistics stay untouched until ``commit``."""
+        self._collecting = True
+        self._pending = None
+
+    def discard(self) -> None:
+        """Drop the pending statistics and go back to plain BatchNorm behaviour."""
+        self._collecting = False
+        self._pending = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.BatchNorm's name
+        if not (getattr(self, "_collecting", False) and self.training and self.track_running_stats):
+            return super().forward(input)
+        self._check_input_dim(input)
+        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        self._collect(input.detach())
+        return out
+
+    @torch.no_grad()
+    def _collect(self, x: torch.Tensor) -> None:
+        stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x = x.to(stat_dtype)
+        dims = [0, *range(2, x.dim())]
+        n = x.numel() // x.shape[1]
+        mean = x.mean(dims)
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        m2 = (x - mean.view(shape)).square().sum(dims)
+        if self._pending is None:
+            self._pending = (n, mean, m2)
+            return
+        na, mean_a, m2_a = self._pending
+        total = na + n
+        delta = mean - mean_a
+        self._pending = (total, mean_a + delta * (n / total), m2_a + m2 + delta.square() * (na * n / total))
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the mini-batch statistics into the running buffers, as one forward would."""
+        pending, self._pending = self._pending, None
+        self._collecting = False
+        if pending is None or not self.track_running_stats:
+            return
+        n, mean, m2 = pending
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked.item())
+        else:
+            factor = self.momentum
+        var = m2 / (n - 1) if n > 1 else torch.full_like(m2, float("nan"))
+        rm, rv = self.running_mean, self.running_var
+        rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
+        rv.mul_(1 - factor).add_(var.to(rv.dtype), alpha=factor)
+
+
+class DeferredBatchNorm1d(_DeferredStats, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` with running statistics committed once per mini-batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred_init()
+
+
+class DeferredBatchNorm2d(_DeferredStats, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with running statistics committed once per mini-batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred_init()
+
+
+class DeferredBatchNorm3d(_DeferredStats, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` with running statistics committed once per mini-batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred_init()
+
+
+_TWINS: dict[type, type] = {
+    nn.BatchNorm1d: DeferredBatchNorm1d,
+    nn.BatchNorm2d: DeferredBatchNorm2d,
+    nn.BatchNorm3d: DeferredBatchNorm3d,
+}
+
+
+def _twin(bn: nn.Module) -> nn.Module:
+    cls = _TWINS[type(bn)]
+    new = cls(
+        bn.num_features,
+        eps=bn.eps,
+        momentum=bn.momentum,
+        affine=bn.affine,
+        track_running_stats=bn.track_running_stats,
+        device="meta",
+    )
+    # Share the very Parameter and buffer objects: an optimizer built before the
+    # conversion keeps working, and device/dtype are preserved.
+    new.weight = bn.weight
+    new.bias = bn.bias
+    new.running_mean = bn.running_mean
+    new.running_var = bn.running_var
+    new.num_batches_tracked = bn.num_batches_tracked
+    new.train(bn.training)
+    return new
+
+
+def convert_batchnorm(module: nn.Module) -> nn.Module:
+    """Swap every BatchNorm1d/2d/3d in ``module`` for its deferred-statistics twin.
+
+    In place (children are replaced on their parents) and returns ``module``; when
+    ``module`` itself is such a BatchNorm, its twin is returned. SyncBatchNorm and
+    already converted layers are left alone.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if type(module) in _TWINS:
+        return _twin(module)
+    for name, child in list(module.named_children()):
+        if type(child) in _TWINS:
+            setattr(module, name, _twin(child))
+        else:
+            convert_batchnorm(child)
+    return module
+
+
+def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
+    """The deferred-statistics BatchNorm layers inside ``module``."""
+    return [m for m in module.modules() if isinstance(m, _DeferredStats)]

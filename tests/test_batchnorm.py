@@ -1,0 +1,158 @@
+"""Deferred-statistics BatchNorm: running statistics equal one full-batch nn.BatchNorm forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import rel_err
+from torch import nn
+
+import mbs_ext
+from mbs_ext.batchnorm import DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d
+
+
+class BNFirst(nn.Module):
+    """BatchNorm on the raw input, so its statistics depend on the data only."""
+
+    def __init__(self, bn: nn.Module, features: int):
+        super().__init__()
+        self.bn = bn
+        self.head = nn.Linear(features, 2)
+
+    def forward(self, x):
+        y = self.bn(x)
+        if y.dim() > 2:
+            y = y.flatten(2).mean(-1)
+        return self.head(y)
+
+
+def loss_fn(model, x):
+    return model(x).pow(2).mean()
+
+
+CASES = {
+    "1d_NC": (lambda **kw: nn.BatchNorm1d(3, **kw), (3,)),
+    "1d_NCL": (lambda **kw: nn.BatchNorm1d(3, **kw), (3, 4)),
+    "2d": (lambda **kw: nn.BatchNorm2d(3, **kw), (3, 2, 2)),
+    "3d": (lambda **kw: nn.BatchNorm3d(3, **kw), (3, 2, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("momentum", [0.1, 0.7, None])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_running_stats_equal_full_batch_forward(case, momentum):
+    make, shape = CASES[case]
+    torch.manual_seed(0)
+    model = BNFirst(make(momentum=momentum), 3).double()
+    ref_bn = copy.deepcopy(model.bn)
+    mbs_ext.convert_batchnorm(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for n, m in [(8, 3), (5, 3), (10, 4)]:  # small N: the n/(n-1) correction matters
+        x = torch.randn(n, *shape, generator=g, dtype=torch.float64) * 3 + 1
+        mbs_ext.step(model, opt, x, loss_fn, micro_batch_size=m)
+        ref_bn(x)
+        assert model.bn.num_batches_tracked.item() == ref_bn.num_batches_tracked.item()
+        assert rel_err(model.bn.running_mean, ref_bn.running_mean) <= 1e-12
+        assert rel_err(model.bn.running_var, ref_bn.running_var) <= 1e-12
+
+
+def test_unbiased_correction_is_over_the_whole_mini_batch():
+    # A micro-batch-wise correction would give a measurably different running_var.
+    torch.manual_seed(0)
+    model = mbs_ext.convert_batchnorm(BNFirst(nn.BatchNorm1d(3, momentum=1.0), 3).double())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, loss_fn, micro_batch_size=2)
+    assert rel_err(model.bn.running_var, x.var(0, unbiased=True)) <= 1e-12
+    assert rel_err(model.bn.running_var, x.var(0, unbiased=False)) > 0.1
+
+
+def test_float32_running_stats():
+    torch.manual_seed(0)
+    model = BNFirst(nn.BatchNorm2d(3), 3)
+    ref_bn = copy.deepcopy(model.bn)
+    mbs_ext.convert_batchnorm(model)
+    x = torch.randn(10, 3, 4, 4) * 2 + 5
+    mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss_fn, micro_batch_size=3)
+    ref_bn(x)
+    assert rel_err(model.bn.running_mean, ref_bn.running_mean) <= 1e-5
+    assert rel_err(model.bn.running_var, ref_bn.running_var) <= 1e-5
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_outside_step_behaves_like_nn_batchnorm(momentum):
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(4, momentum=momentum)
+    with torch.no_grad():
+        ref.weight.uniform_()
+        ref.bias.uniform_()
+    bn = mbs_ext.convert_batchnorm(copy.deepcopy(ref))
+    assert isinstance(bn, DeferredBatchNorm2d)
+    for _ in range(3):
+        x = torch.randn(5, 4, 3, 3)
+        assert torch.equal(bn(x), ref(x))
+    bn.eval()
+    ref.eval()
+    x = torch.randn(2, 4, 3, 3)
+    assert torch.equal(bn(x), ref(x))
+    for a, b in zip(bn.buffers(), ref.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_compatible_both_ways():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+    plain[1](torch.randn(6, 4))
+    converted = mbs_ext.convert_batchnorm(copy.deepcopy(plain))
+    assert list(converted.state_dict()) == list(plain.state_dict())
+    fresh_plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+    fresh_plain.load_state_dict(converted.state_dict(), strict=True)
+    fresh_conv = mbs_ext.convert_batchnorm(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+    )
+    fresh_conv.load_state_dict(plain.state_dict(), strict=True)
+    for sd in (fresh_plain.state_dict(), fresh_conv.state_dict()):
+        for k, v in plain.state_dict().items():
+            assert torch.equal(sd[k], v), k
+
+
+def test_convert_shares_parameters_and_keeps_dtype_and_flags():
+    bn = nn.BatchNorm1d(4, eps=1e-3, momentum=0.3).double()
+    bn.eval()
+    model = nn.Sequential(nn.Linear(2, 4).double(), bn, nn.SyncBatchNorm(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = bn.weight
+    out = mbs_ext.convert_batchnorm(model)
+    assert out is model
+    assert isinstance(model[1], DeferredBatchNorm1d) and type(model[2]) is nn.SyncBatchNorm
+    assert model[1].weight is weight and model[1].weight.dtype == torch.float64
+    assert model[1].running_mean.dtype == torch.float64
+    assert (model[1].eps, model[1].momentum, model[1].training) == (1e-3, 0.3, False)
+    assert any(p is weight for g in opt.param_groups for p in g["params"])
+    assert isinstance(mbs_ext.convert_batchnorm(nn.BatchNorm3d(2)), DeferredBatchNorm3d)
+
+
+def test_no_affine_and_no_running_stats():
+    model = mbs_ext.convert_batchnorm(
+        nn.Sequential(
+            nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, track_running_stats=False)
+        )
+    )
+    model.double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss_fn_seq, micro_batch_size=8)
+    ref(x)
+    assert rel_err(model[1].running_var, ref[1].running_var) <= 1e-12
+    assert model[2].running_mean is None
+
+
+def loss_fn_seq(model, x):
+    return model(x).pow(2).mean()
+
+
+def test_convert_rejects_non_module():
+    with pytest.raises(TypeError, match="module"):
+        mbs_ext.convert_batchnorm("bn")
