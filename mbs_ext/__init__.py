@@ -12,6 +12,7 @@ import torch
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.batchnorm import convert_batchnorm
+from mbs_ext.memory import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, step
@@ -29,12 +30,14 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "MicroBatchPlan",
     "MicroBatchStreamer",
     "StepResult",
     "StreamRing",
     "__version__",
     "build_info",
     "convert_batchnorm",
+    "plan_micro_batch",
     "scale_accumulate_",
     "step",
 ]

@@ -35,6 +35,7 @@ class MicroBatchPlan:
     per_sample_bytes: int
     fixed_bytes: int
     memory_budget: int
+    num_rows: int
 
     def estimate(self, micro_batch_size: int) -> int:
         """Predicted peak bytes of one micro-batch of this size."""
@@ -185,6 +186,7 @@ def plan(
         per_sample_bytes=per_sample,
         fixed_bytes=fixed,
         memory_budget=int(memory_budget),
+        num_rows=int(num_rows),
         _saved_intercept=intercept,
     )
 
@@ -210,9 +212,12 @@ def plan_micro_batch(
     ``loss_fn`` follows :func:`mbs_ext.step`'s convention. On CUDA the budget defaults to
     the free device memory times a safety factor; on CPU it is required.
     """
-    from mbs_ext.step import _check_model, _loss_caller  # step imports this module
+    from mbs_ext.step import _loss_caller  # step imports this module
 
-    _check_model(model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     rows = _batch.check_batch(batch)

@@ -40,6 +40,7 @@ from torch.nn.modules.loss import _Loss
 from torch.nn.parallel import DistributedDataParallel
 
 from mbs_ext import batch as _batch
+from mbs_ext import memory as _memory
 from mbs_ext import normalize as _norm
 from mbs_ext.batchnorm import deferred_layers
 from mbs_ext.ops import scale_accumulate_
@@ -67,16 +68,6 @@ class StepResult:
     skipped: bool = False
     grad_norm: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def _resolve_micro_batch_size(micro_batch_size: int | str, num_rows: int, **context: Any) -> int:
-    """Turn the ``micro_batch_size`` option into an int; the hook for ``"auto"``."""
-    if micro_batch_size == "auto":
-        raise ValueError(
-            "micro_batch_size='auto' needs memory_budget support, which this version does not provide yet; "
-            "pass an int >= 1"
-        )
-    return min(int(micro_batch_size), num_rows)
 
 
 def _check_micro_batch_size(micro_batch_size: Any) -> None:
@@ -238,8 +229,11 @@ class MicroBatchStreamer:
 
     Options (shared with :func:`step`):
 
-    * ``micro_batch_size``: int >= 1 (>= the batch size means one micro-batch); ``"auto"``
-      is reserved for a memory-budget based choice and not available yet.
+    * ``micro_batch_size``: int >= 1 (>= the batch size means one micro-batch), or
+      ``"auto"``: the largest size whose step fits ``memory_budget`` bytes, planned
+      from a measurement of two probe micro-batches (:func:`mbs_ext.plan_micro_batch`)
+      and cached per input signature. ``memory_budget`` defaults to the free device
+      memory times 0.8 on CUDA and is required on CPU.
     * ``normalize``: ``"samples"`` (weight n_i/N, exact for any split),
       ``"micro_batches"`` (1/M, wrong when micro-batches differ in size; for comparison)
       or ``count(micro_batch) -> int | Tensor`` for losses that average over a variable
@@ -280,8 +274,10 @@ class MicroBatchStreamer:
         max_grad_norm: float | None = None,
         accumulate_dtype: torch.dtype | None = None,
         on_nonfinite: str = "skip",
+        memory_budget: int | None = None,
     ) -> None:
         _check_model_optimizer(model, optimizer)
+        _memory.check_memory_budget(memory_budget)
         _check_options(
             loss_fn, micro_batch_size, normalize, scaler, autocast_dtype, max_grad_norm, accumulate_dtype,
             on_nonfinite,
@@ -296,7 +292,11 @@ class MicroBatchStreamer:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulate_dtype = accumulate_dtype
         self.on_nonfinite = on_nonfinite
+        self.memory_budget = memory_budget
         self._ring: Any = None
+        self._ring_device: torch.device | None = None
+        self._plans: dict[tuple, _memory.MicroBatchPlan] = {}  # "auto" sizes per input signature
+        self._size_cap: dict[tuple, int] = {}  # sizes learned from out-of-memory back-off
 
     def _ring_for(self, device: torch.device) -> Any:
         if self._ring is None or torch.device(self._ring_device) != device:
@@ -304,8 +304,40 @@ class MicroBatchStreamer:
             self._ring_device = device
         return self._ring
 
+    def _micro_batch_size(self, batch: Any, indices: torch.Tensor | None, rows: int, loss_call: Callable) -> tuple:
+        """The size to stream with, and the cache key that out-of-memory back-off updates."""
+        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(batch))
+        if self.micro_batch_size != "auto":
+            key = ("fixed", leaves)
+            m = int(self.micro_batch_size)
+        else:
+            device = _first_param_device(self.model)
+            budget = _memory.default_budget(device, self.memory_budget)
+            key = _memory.signature(batch, budget, self.autocast_dtype)
+            plan = self._plans.get(key)
+            # A plan is capped by the rows of the batch it was made for; a larger batch
+            # with the same signature may afford a larger micro-batch, so re-plan then.
+            if plan is None or (plan.micro_batch_size >= plan.num_rows and rows > plan.num_rows):
+                plan = _memory.plan(
+                    self.model, batch, loss_call, budget, num_rows=rows, indices=indices,
+                    accumulate_dtype=self.accumulate_dtype, autocast_dtype=self.autocast_dtype,
+                )
+                self._plans[key] = plan
+            m = plan.micro_batch_size
+        m = min(m, self._size_cap.get(key, m), rows)
+        return max(1, m), key
+
+    def plan(self) -> dict[tuple, _memory.MicroBatchPlan]:
+        """The micro-batch plans made for ``"auto"`` so far, by input signature."""
+        return dict(self._plans)
+
     def step(self, batch: Any, indices: torch.Tensor | None = None) -> StepResult:
-        """One optimizer step over the mini-batch ``batch`` (or its rows at ``indices``)."""
+        """One optimizer step over the mini-batch ``batch`` (or its rows at ``indices``).
+
+        If a micro-batch runs out of memory (``torch.OutOfMemoryError`` on a device, or a
+        host allocation failure), the step is undone and redone from scratch with half
+        the micro-batch size, down to 1; the smaller size is remembered for later steps.
+        """
         t_begin = time.perf_counter()
         params = _check_model_optimizer(self.model, self.optimizer)
         rows = _batch.check_batch(batch)
@@ -313,20 +345,48 @@ class MicroBatchStreamer:
             indices = _batch.check_indices(indices, rows)
             rows = indices.numel()
         loss_call = _loss_caller(self.loss_fn, batch)
-        m = _resolve_micro_batch_size(self.micro_batch_size, rows, model=self.model, batch=batch)
-        num_mb = -(-rows // m)
         device = _first_param_device(self.model)
-        ring = self._ring_for(device)
-        run = _Run(self, params, batch, indices, rows, m, num_mb, device, ring, loss_call)
-        try:
-            result = run.execute()
-        except BaseException as exc:
-            run.rollback(clear_grads=True)
-            if hasattr(exc, "add_note"):
-                exc.add_note(run.where())
-            raise
+        m, key = self._micro_batch_size(batch, indices, rows, loss_call)
+        while True:
+            num_mb = -(-rows // m)
+            ring = self._ring_for(device)
+            run = _Run(self, params, batch, indices, rows, m, num_mb, device, ring, loss_call)
+            try:
+                result = run.execute()
+                break
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                run.rollback(clear_grads=True)
+                if m == 1 or run.ddp:
+                    exc.add_note(run.where())
+                    if run.ddp and m > 1:
+                        exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
+                    raise
+                del exc, run
+                _release_cached_memory(device)
+                smaller = max(1, m // 2)
+                warnings.warn(
+                    f"mbs_ext.step: out of memory at micro_batch_size={m}; "
+                    f"redoing the step with micro_batch_size={smaller}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._size_cap[key] = smaller
+                m = smaller
+            except BaseException as exc:
+                run.rollback(clear_grads=True)
+                if hasattr(exc, "add_note"):
+                    exc.add_note(run.where())
+                raise
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class _Run:
@@ -632,10 +692,12 @@ def step(
     max_grad_norm: float | None = None,
     accumulate_dtype: torch.dtype | None = None,
     on_nonfinite: str = "skip",
+    memory_budget: int | None = None,
 ) -> StepResult:
     """One optimizer step over ``batch``, streamed in micro-batches; see :class:`MicroBatchStreamer`.
 
-    The ring is cached per model so that calling ``step`` in a loop reuses it.
+    The ring, the "auto" plans and sizes learned from out-of-memory back-off are cached
+    per model, so calling ``step`` in a loop reuses them.
     """
     streamer = MicroBatchStreamer(
         model,
@@ -648,10 +710,12 @@ def step(
         max_grad_norm=max_grad_norm,
         accumulate_dtype=accumulate_dtype,
         on_nonfinite=on_nonfinite,
+        memory_budget=memory_budget,
     )
     cached = _RINGS.get(model)
     if cached is not None:
-        streamer._ring, streamer._ring_device = cached
-    result = streamer.step(batch, indices=indices)
-    _RINGS[model] = (streamer._ring, streamer._ring_device)
-    return result
+        streamer._ring, streamer._ring_device, streamer._plans, streamer._size_cap = cached
+    try:
+        return streamer.step(batch, indices=indices)
+    finally:
+        _RINGS[model] = (streamer._ring, streamer._ring_device, streamer._plans, streamer._size_cap)

@@ -1,0 +1,186 @@
+"""micro_batch_size="auto": the planner's measurements, budgets, and out-of-memory back-off."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import assert_models_match, full_batch_step, snapshot
+from torch import nn
+
+import mbs_ext
+from mbs_ext.memory import measure_saved_bytes
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.Sigmoid(), nn.Flatten(), nn.Linear(8 * 8 * 8, 5),
+    )
+
+
+MODELS = {"mlp": (mlp, (32,)), "cnn": (cnn, (3, 16, 16))}
+
+
+def data(shape, n=200, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+
+
+def ce(model, mb):
+    return nn.functional.cross_entropy(model(mb[0]), mb[1])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("m", [16, 57, 128])
+def test_planner_estimate_matches_measured_saved_bytes(name, m):
+    make, shape = MODELS[name]
+    model = make()
+    batch = data(shape)
+    plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=10**9)
+    measured = measure_saved_bytes(model, (batch[0][:m].clone(), batch[1][:m].clone()), ce)
+    assert measured > 0
+    assert abs(plan.saved_bytes(m) - measured) <= 0.10 * measured, (plan, measured)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("budget_kib", [64, 256, 1024])
+def test_auto_honours_budget(name, budget_kib):
+    make, shape = MODELS[name]
+    model = make()
+    batch = data(shape)
+    budget = budget_kib * 1024
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        result = mbs_ext.step(model, opt, batch, ce, micro_batch_size="auto", memory_budget=budget)
+    except ValueError as exc:  # a budget below one sample is a clear error
+        assert "memory_budget" in str(exc)
+        return
+    m = result.micro_batch_size
+    assert 1 <= m <= 200
+    chosen = measure_saved_bytes(model, (batch[0][:m].clone(), batch[1][:m].clone()), ce)
+    assert chosen <= budget
+    if m < 200:  # the largest that fits: one more sample's worth would not
+        plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=budget)
+        assert plan.estimate(m + 1) > budget
+
+
+def test_auto_is_exact_and_planning_leaves_no_trace():
+    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.3), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 5))
+    model = model.double()
+    ref = copy.deepcopy(model)
+    batch = tuple(t.double() if t.is_floating_point() else t for t in data((32,), n=90))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=120_000)  # train mode: dropout draws
+    assert torch.equal(torch.get_rng_state(), rng), "planning consumed random numbers"
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), f"planning changed buffer {k}"
+    # Exactness needs batch-independent layers: compare in eval mode.
+    model.eval(), ref.eval()
+    plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=120_000)
+    assert 1 <= plan.micro_batch_size < 90
+    torch.manual_seed(5)
+    result = mbs_ext.step(model, opt, batch, ce, micro_batch_size="auto", memory_budget=120_000)
+    torch.manual_seed(5)
+    full_batch_step(ref, ref_opt, batch, ce)
+    assert result.micro_batch_size == plan.micro_batch_size
+    assert_models_match(model, ref, 1e-12)
+
+
+def test_auto_plan_is_cached_per_signature():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size="auto", memory_budget=300_000)
+    streamer.step(data((32,)))
+    streamer.step(data((32,), seed=2))
+    assert len(streamer.plan()) == 1
+    other = (torch.randn(50, 32).double(), torch.randint(0, 5, (50,)))
+    model.double()
+    streamer.step(other)
+    assert len(streamer.plan()) == 2
+
+
+def test_auto_needs_budget_on_cpu():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="memory_budget"):
+        mbs_ext.step(model, opt, data((32,)), ce, micro_batch_size="auto")
+    with pytest.raises(ValueError, match="memory_budget"):
+        mbs_ext.step(model, opt, data((32,)), ce, micro_batch_size="auto", memory_budget=0)
+    with pytest.raises(TypeError, match="memory_budget"):
+        mbs_ext.step(model, opt, data((32,)), ce, micro_batch_size="auto", memory_budget="1GB")
+
+
+class OOMAbove(nn.Module):
+    """Raises a real torch.OutOfMemoryError when a micro-batch is larger than `limit`,
+    from micro-batch `at` on (the first `at` micro-batches succeed)."""
+
+    def __init__(self, limit: int, at: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+        self.limit, self.at, self.calls = limit, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if x.shape[0] > self.limit and self.calls > self.at:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} rows > {self.limit}")
+        return self.net(x)
+
+
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_out_of_memory_backs_off_and_stays_exact(at):
+    torch.manual_seed(0)
+    model = OOMAbove(limit=10, at=at)
+    ref = copy.deepcopy(model)
+    ref.limit = 10**9
+    batch = (torch.randn(100, 32, dtype=torch.float64), torch.randint(0, 5, (100,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=40)
+    before = snapshot(model.net, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = streamer.step(batch)
+    messages = [str(w.message) for w in caught if "out of memory" in str(w.message)]
+    assert messages == [
+        "mbs_ext.step: out of memory at micro_batch_size=40; redoing the step with micro_batch_size=20",
+        "mbs_ext.step: out of memory at micro_batch_size=20; redoing the step with micro_batch_size=10",
+    ]
+    assert result.micro_batch_size == 10 and result.num_micro_batches == 10
+    full_batch_step(ref, ref_opt, batch, ce)
+    assert_models_match(model.net, ref.net, 1e-12)
+    assert opt.state_dict()["state"][0]["step"].item() == 1  # one optimizer step, not three
+    assert before["params"].keys() == {k for k, _ in model.net.named_parameters()}
+    # The smaller size is remembered: the next step starts at 10 without warnings.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert streamer.step(batch).micro_batch_size == 10
+
+
+def test_out_of_memory_parameters_untouched_until_success():
+    torch.manual_seed(0)
+    model = OOMAbove(limit=0, at=0)  # even one row fails: back-off ends at 1 and re-raises
+    batch = (torch.randn(8, 32, dtype=torch.float64), torch.randint(0, 5, (8,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt.step()  # create optimizer state so that it can be compared
+    before = snapshot(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            mbs_ext.step(model, opt, batch, ce, micro_batch_size=8)
+    assert "micro-batch 0" in "\n".join(getattr(info.value, "__notes__", []))
+    after = snapshot(model, opt)
+    for k in before["params"]:
+        assert torch.equal(before["params"][k], after["params"][k])
+    assert all(p.grad is None for p in model.parameters())
