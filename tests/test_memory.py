@@ -138,7 +138,7 @@ class OOMAbove(nn.Module):
         return self.net(x)
 
 
-@pytest.mark.parametrize("at", [0, 1, 3])
+@pytest.mark.parametrize("at", [0, 1, 2])
 def test_out_of_memory_backs_off_and_stays_exact(at):
     torch.manual_seed(0)
     model = OOMAbove(limit=10, at=at)
