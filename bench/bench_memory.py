@@ -97,8 +97,16 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     else:
         peak = _status()["VmHWM"]
-    return {"mode": mode, "size": size, "micro": micro, "steps": steps, "peak_growth_bytes": peak - base,
-            "base_rss_bytes": base, "method": method, "step_s": elapsed / steps}
+    return {
+        "mode": mode,
+        "size": size,
+        "micro": micro,
+        "steps": steps,
+        "peak_growth_bytes": peak - base,
+        "base_rss_bytes": base,
+        "method": method,
+        "step_s": elapsed / steps,
+    }
 
 
 def run_point(mode: str, size: int, micro: int = MICRO, steps: int = STEPS, threads: int = 1) -> dict:
@@ -106,12 +114,24 @@ def run_point(mode: str, size: int, micro: int = MICRO, steps: int = STEPS, thre
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["MALLOC_ARENA_MAX"] = "2"
     env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--size", str(size), "--micro", str(micro),
-           "--steps", str(steps), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        mode,
+        "--size",
+        str(size),
+        "--micro",
+        str(micro),
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith(TAG):
-            return json.loads(line[len(TAG):])
+            return json.loads(line[len(TAG) :])
     raise RuntimeError(f"memory child {mode} B={size} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -130,20 +150,34 @@ def measure(sizes=SIZES, micro: int = MICRO, steps: int = STEPS) -> dict:
     for b in sizes:
         f = by[("full", b)]["peak_growth_bytes"]
         m = by[("mbs", b)]["peak_growth_bytes"]
-        rows.append({
-            "size": b, "full_mib": f / MIB, "mbs_mib": m / MIB, "full_over_mbs": f / m,
-            "full_vs_first": f / full0, "mbs_vs_first": m / mbs0,
-            "full_step_s": by[("full", b)]["step_s"], "mbs_step_s": by[("mbs", b)]["step_s"],
-        })
+        rows.append(
+            {
+                "size": b,
+                "full_mib": f / MIB,
+                "mbs_mib": m / MIB,
+                "full_over_mbs": f / m,
+                "full_vs_first": f / full0,
+                "mbs_vs_first": m / mbs0,
+                "full_step_s": by[("full", b)]["step_s"],
+                "mbs_step_s": by[("mbs", b)]["step_s"],
+            }
+        )
     # Least-squares slope of the full-batch growth, bytes per sample.
     n = len(sizes)
     mx = sum(sizes) / n
     my = sum(r["full_mib"] for r in rows) / n
-    slope = sum((b - mx) * (r["full_mib"] - my) for b, r in zip(sizes, rows)) / sum((b - mx) ** 2 for b in sizes)
+    slope = sum((b - mx) * (r["full_mib"] - my) for b, r in zip(sizes, rows, strict=True)) / sum(
+        (b - mx) ** 2 for b in sizes
+    )
     return {
-        "micro_batch": micro, "steps": steps, "threads_per_child": threads, "method": recs[0]["method"],
+        "micro_batch": micro,
+        "steps": steps,
+        "threads_per_child": threads,
+        "method": recs[0]["method"],
         "model": "mbs_ext.table.make_model(32), Adam, synthetic 1x32x32 inputs",
-        "full_slope_kib_per_sample": slope * 1024, "rows": rows, "points": recs,
+        "full_slope_kib_per_sample": slope * 1024,
+        "rows": rows,
+        "points": recs,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -167,7 +201,8 @@ def write_results(res: dict, out: Path = RESULTS) -> dict[str, Path]:
     for r in res["rows"]:
         lines.append(
             f"| {r['size']} | {r['full_mib']:.1f} | {r['mbs_mib']:.1f} | {r['full_over_mbs']:.2f}x | "
-            f"{r['full_vs_first']:.2f}x | {r['mbs_vs_first']:.2f}x | {r['full_step_s']:.3f} | {r['mbs_step_s']:.3f} |"
+            f"{r['full_vs_first']:.2f}x | {r['mbs_vs_first']:.2f}x | "
+            f"{r['full_step_s']:.3f} | {r['mbs_step_s']:.3f} |"
         )
     paths["md"].write_text("\n".join(lines) + "\n")
 
@@ -179,7 +214,9 @@ def write_results(res: dict, out: Path = RESULTS) -> dict[str, Path]:
     sizes = [r["size"] for r in res["rows"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(sizes, [r["full_mib"] for r in res["rows"]], "o-", label="full batch")
-    ax.plot(sizes, [r["mbs_mib"] for r in res["rows"]], "s--", label=f"MBS (micro-batch {res['micro_batch']})")
+    ax.plot(
+        sizes, [r["mbs_mib"] for r in res["rows"]], "s--", label=f"MBS (micro-batch {res['micro_batch']})"
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("mini-batch size")

@@ -207,11 +207,30 @@ def _child(args: argparse.Namespace) -> int:
 
     # Warm-up on a throwaway copy: kernels, allocator arenas, the streamer, the optimizer.
     scratch = copy.deepcopy(model)
-    _train(scratch, make_optimizer(scratch, args.micro, args.micro, args.lr), x[: args.micro * 2],
-           y[: args.micro * 2], batch_size=args.micro * 2, micro=args.micro, mbs=True, epochs=1,
-           max_steps=1, seed=args.seed)
-    _train(scratch, make_optimizer(scratch, args.micro, args.micro, args.lr), x[: args.micro], y[: args.micro],
-           batch_size=args.micro, micro=args.micro, mbs=False, epochs=1, max_steps=1, seed=args.seed)
+    _train(
+        scratch,
+        make_optimizer(scratch, args.micro, args.micro, args.lr),
+        x[: args.micro * 2],
+        y[: args.micro * 2],
+        batch_size=args.micro * 2,
+        micro=args.micro,
+        mbs=True,
+        epochs=1,
+        max_steps=1,
+        seed=args.seed,
+    )
+    _train(
+        scratch,
+        make_optimizer(scratch, args.micro, args.micro, args.lr),
+        x[: args.micro],
+        y[: args.micro],
+        batch_size=args.micro,
+        micro=args.micro,
+        mbs=False,
+        epochs=1,
+        max_steps=1,
+        seed=args.seed,
+    )
     _evaluate(scratch, xt, yt, args.micro)
     del scratch
     gc.collect()
@@ -230,8 +249,18 @@ def _child(args: argparse.Namespace) -> int:
         opt = make_optimizer(model, size, args.micro, args.lr)
         rec = dict(info, run=name)
         try:
-            times = _train(model, opt, x, y, batch_size=size, micro=args.micro, mbs=mbs, epochs=args.epochs,
-                           max_steps=args.max_steps, seed=args.seed)
+            times = _train(
+                model,
+                opt,
+                x,
+                y,
+                batch_size=size,
+                micro=args.micro,
+                mbs=mbs,
+                epochs=args.epochs,
+                max_steps=args.max_steps,
+                seed=args.seed,
+            )
             rec["accuracy"] = _evaluate(model, xt, yt, args.micro)
             rec["epoch_s"] = sum(times) / len(times)
             rec["ok"] = True
@@ -280,15 +309,35 @@ def run_child(
     from a child that died (e.g. killed by a signal) is absent.
     """
     cmd = [
-        sys.executable, "-m", "mbs_ext.table", "--child", mode, "--size", str(size), "--micro", str(micro),
-        "--cap-bytes", str(int(cap_bytes)), "--epochs", str(epochs), "--max-steps", str(max_steps),
-        "--threads", str(threads), "--seed", str(seed), "--lr", repr(lr), "--image-size", str(image_size),
+        sys.executable,
+        "-m",
+        "mbs_ext.table",
+        "--child",
+        mode,
+        "--size",
+        str(size),
+        "--micro",
+        str(micro),
+        "--cap-bytes",
+        str(int(cap_bytes)),
+        "--epochs",
+        str(epochs),
+        "--max-steps",
+        str(max_steps),
+        "--threads",
+        str(threads),
+        "--seed",
+        str(seed),
+        "--lr",
+        repr(lr),
+        "--image-size",
+        str(image_size),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads), timeout=timeout)
     out: dict[str, Any] = {"returncode": proc.returncode, "stderr": proc.stderr[-2000:]}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            rec = json.loads(line[len(RESULT_TAG):])
+            rec = json.loads(line[len(RESULT_TAG) :])
             out[rec["run"]] = rec
     return out
 
@@ -320,7 +369,8 @@ def _fmt_time(rec: dict | None) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| Mini-batch | Micro-batch | Accuracy w/o MBS | Epoch time w/o MBS (s) | Accuracy w/ MBS | Epoch time w/ MBS (s) |",
+        "| Mini-batch | Micro-batch | Accuracy w/o MBS | Epoch time w/o MBS (s) "
+        "| Accuracy w/ MBS | Epoch time w/ MBS (s) |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -331,7 +381,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_table(rows: list[dict[str, Any]], out_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Path]:
+def write_table(
+    rows: list[dict[str, Any]], out_dir: str | os.PathLike, meta: dict[str, Any]
+) -> dict[str, Path]:
     """Write ``table.md``, ``table.json`` and ``table.png``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +396,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: str | os.PathLike, meta: di
         f"{meta.get('epochs')} epoch(s), {meta.get('n_train')} training / {meta.get('n_test')} test images. "
         f"Each row ran in a child process capped (RLIMIT_AS) at its post-warm-up size + {cap_mib:.1f} MiB "
         f"(= {CAP_FACTOR} x the MBS peak growth of {meta.get('growth_bytes', 0) / MIB:.1f} MiB + "
-        f"{CAP_SLACK / MIB:.0f} MiB). \"Failed\": the full-batch step hit an allocation error.",
+        f'{CAP_SLACK / MIB:.0f} MiB). "Failed": the full-batch step hit an allocation error.',
         "",
         table,
         "",
@@ -373,8 +425,16 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     if failed:
         for ax in (ax_acc, ax_t):
             lo = ax.get_ylim()[0] if ax.has_data() else 0.0
-            ax.scatter(failed, [lo] * len(failed), marker="x", color="red", s=70, zorder=5,
-                       label="without MBS: Failed", clip_on=False)
+            ax.scatter(
+                failed,
+                [lo] * len(failed),
+                marker="x",
+                color="red",
+                s=70,
+                zorder=5,
+                label="without MBS: Failed",
+                clip_on=False,
+            )
     for ax, ylabel in ((ax_acc, "test accuracy (%)"), (ax_t, "epoch time (s)")):
         if len(set(sizes)) > 1:
             ax.set_xscale("log", base=2)
@@ -403,10 +463,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="mbs_table", help="output directory (default: mbs_table)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per run (default: 3)")
     p.add_argument("--micro-batch", type=int, default=16, help="MBS micro-batch size (default: 16)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES,
-                   help=f"comma-separated mini-batch sizes, 'all' = whole training set (default: {DEFAULT_SIZES})")
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated mini-batch sizes, 'all' = whole training set (default: {DEFAULT_SIZES})",
+    )
     p.add_argument("--jobs", type=int, default=0, help="children run at once (default: min(2, CPUs))")
-    p.add_argument("--max-steps", type=int, default=0, help="cap on steps per epoch, 0 = none (for quick runs)")
+    p.add_argument(
+        "--max-steps", type=int, default=0, help="cap on steps per epoch, 0 = none (for quick runs)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
     p.add_argument("--image-size", type=int, default=32)
@@ -434,16 +499,28 @@ def main(argv: list[str] | None = None) -> int:
     cpus = os.cpu_count() or 1
     jobs = args.jobs if args.jobs > 0 else max(1, min(2, cpus))
     threads = max(1, cpus // jobs)
-    common = dict(micro=args.micro_batch, threads=threads, seed=args.seed, lr=args.lr, image_size=args.image_size)
+    common = dict(
+        micro=args.micro_batch, threads=threads, seed=args.seed, lr=args.lr, image_size=args.image_size
+    )
 
     t0 = time.perf_counter()
     cal = calibrate(max(sizes), max_steps=2, epochs=1, **common)
-    print(f"calibration: MBS peak growth {cal['growth'] / MIB:.1f} MiB at micro-batch {args.micro_batch} "
-          f"-> cap {cal['cap'] / MIB:.1f} MiB above each child's warm size", flush=True)
+    print(
+        f"calibration: MBS peak growth {cal['growth'] / MIB:.1f} MiB at micro-batch {args.micro_batch} "
+        f"-> cap {cal['cap'] / MIB:.1f} MiB above each child's warm size",
+        flush=True,
+    )
 
     def row(size: int) -> dict[str, Any]:
-        res = run_child("row", size, cap_bytes=cal["cap"], epochs=args.epochs, max_steps=args.max_steps, **common)
-        r: dict[str, Any] = {"size": size, "micro": args.micro_batch, "mbs": res.get("mbs"), "full": res.get("full")}
+        res = run_child(
+            "row", size, cap_bytes=cal["cap"], epochs=args.epochs, max_steps=args.max_steps, **common
+        )
+        r: dict[str, Any] = {
+            "size": size,
+            "micro": args.micro_batch,
+            "mbs": res.get("mbs"),
+            "full": res.get("full"),
+        }
         if res["returncode"] != 0:
             r["child_returncode"] = res["returncode"]
             r["child_stderr"] = res["stderr"]
@@ -451,18 +528,32 @@ def main(argv: list[str] | None = None) -> int:
                 # The child died inside the capped full-batch run (e.g. a native abort on allocation).
                 r["full"] = {"ok": False, "error": f"child exited with {res['returncode']}"}
         status = "ok" if r["full"] and r["full"].get("ok") else "Failed"
-        print(f"  B={size:5d}: without MBS {status}; with MBS "
-              f"{'ok' if r['mbs'] and r['mbs'].get('ok') else 'FAILED'}", flush=True)
+        print(
+            f"  B={size:5d}: without MBS {status}; with MBS "
+            f"{'ok' if r['mbs'] and r['mbs'].get('ok') else 'FAILED'}",
+            flush=True,
+        )
         return r
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rows = list(pool.map(row, sizes))
 
     meta = {
-        "epochs": args.epochs, "micro_batch": args.micro_batch, "max_steps": args.max_steps, "seed": args.seed,
-        "lr": args.lr, "image_size": args.image_size, "n_train": n_train, "n_test": n_test,
-        "growth_bytes": cal["growth"], "cap_bytes": cal["cap"], "cap_factor": CAP_FACTOR, "cap_slack": CAP_SLACK,
-        "threads_per_child": threads, "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 2),
+        "epochs": args.epochs,
+        "micro_batch": args.micro_batch,
+        "max_steps": args.max_steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "image_size": args.image_size,
+        "n_train": n_train,
+        "n_test": n_test,
+        "growth_bytes": cal["growth"],
+        "cap_bytes": cal["cap"],
+        "cap_factor": CAP_FACTOR,
+        "cap_slack": CAP_SLACK,
+        "threads_per_child": threads,
+        "jobs": jobs,
+        "wall_s": round(time.perf_counter() - t0, 2),
     }
     paths = write_table(rows, args.out, meta)
     print(format_table(rows))

@@ -47,7 +47,9 @@ def test_is_alloc_error():
     import torch
 
     assert table.is_alloc_error(MemoryError())
-    assert table.is_alloc_error(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
+    assert table.is_alloc_error(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")
+    )
     assert table.is_alloc_error(torch.OutOfMemoryError("CUDA out of memory"))
     assert not table.is_alloc_error(RuntimeError("shape mismatch"))
     assert not table.is_alloc_error(ValueError("allocate"))
@@ -62,8 +64,12 @@ def test_write_table(tmp_path):
     ok = {"ok": True, "accuracy": 0.9, "epoch_s": 1.25}
     rows = [
         {"size": 16, "micro": 16, "full": dict(ok), "mbs": dict(ok, epoch_s=1.5)},
-        {"size": 1024, "micro": 16, "full": {"ok": False, "error": "RuntimeError: can't allocate"},
-         "mbs": dict(ok, accuracy=0.5)},
+        {
+            "size": 1024,
+            "micro": 16,
+            "full": {"ok": False, "error": "RuntimeError: can't allocate"},
+            "mbs": dict(ok, accuracy=0.5),
+        },
     ]
     meta = {"epochs": 1, "n_train": 1437, "n_test": 360, "growth_bytes": 10 << 20, "cap_bytes": 31 << 20}
     paths = table.write_table(rows, tmp_path / "out", meta)
