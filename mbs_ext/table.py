@@ -273,6 +273,7 @@ def _child(args: argparse.Namespace) -> int:
         gc.collect()
         _malloc_trim()
         status = proc_status()
+        # VmPeak is the process's lifetime peak: the full run's value also covers the MBS run before it.
         rec["peak_growth"] = status.get("VmPeak", 0) - base.get("VmSize", 0)
         rec["rss_hwm_growth"] = status.get("VmHWM", 0) - base.get("VmRSS", 0)
         _emit(rec)
