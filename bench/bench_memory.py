@@ -4,10 +4,12 @@ One child process per point. The child imports torch, builds the small CNN of
 :mod:`mbs_ext.table` and a synthetic host batch of B images (1x32x32), warms up on a
 throwaway copy (so kernels and allocator arenas exist), returns freed memory to the OS,
 resets its resident high-water mark (``/proc/self/clear_refs``; falls back to
-``ru_maxrss``) and then runs two training steps. The reported number is the peak RSS
-growth over that starting point, i.e. the working memory of the step; the host batch
-itself is allocated before the measurement starts, like a batch that already sits in
-host memory.
+``ru_maxrss``) and then runs two training steps. Children run with
+``MALLOC_ARENA_MAX=2`` and ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave
+the resident set at once and the peak reflects live memory, not heap fragmentation.
+The reported number is the peak RSS growth over that starting point, i.e. the working
+memory of the step; the host batch itself is allocated before the measurement starts,
+like a batch that already sits in host memory.
 
 Expected: MBS is flat in B (its activations are micro-batch sized), the full-batch step
 grows linearly with B. ``pytest bench/bench_memory.py`` runs it and writes
@@ -113,6 +115,9 @@ def run_point(mode: str, size: int, micro: int = MICRO, steps: int = STEPS, thre
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["MALLOC_ARENA_MAX"] = "2"
+    # Tensors above 128 KiB get their own mapping, returned to the OS when freed: RSS then
+    # follows live memory instead of heap fragmentation, which steadies the peak readings.
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     env["OMP_NUM_THREADS"] = str(threads)
     cmd = [
         sys.executable,
@@ -238,8 +243,8 @@ def test_peak_memory_vs_batch_size():
     small, big = min(SIZES), max(SIZES)
     # MBS is flat: the largest mini-batch needs at most 1.2x the memory of B = micro-batch.
     assert rows[big]["mbs_mib"] <= 1.2 * rows[small]["mbs_mib"], res["rows"]
-    # The full batch grows linearly: 4x more rows, clearly more than 2.5x the memory at the top end.
-    assert rows[big]["full_mib"] >= 2.5 * rows[big // 4]["full_mib"], res["rows"]
+    # The full batch grows linearly: 4x the rows, at least 3x the memory at the top end.
+    assert rows[big]["full_mib"] >= 3.0 * rows[big // 4]["full_mib"], res["rows"]
     assert rows[big]["full_mib"] >= 10 * rows[big]["mbs_mib"], res["rows"]
 
 
