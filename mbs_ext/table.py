@@ -25,8 +25,11 @@ starting point. The cap is that growth times 1.5 plus 16 MiB of slack:
   way a real accelerator runs out of memory.
 
 Children run with ``MALLOC_ARENA_MAX=2`` (glibc otherwise reserves one 64 MiB arena per
-thread, which would make address-space accounting depend on thread scheduling) and one
-intra-op thread each, two children at a time on a two-core machine. An allocation
+thread, which would make address-space accounting depend on thread scheduling),
+``MALLOC_MMAP_THRESHOLD_=131072`` (every tensor above 128 KiB gets its own mapping and
+gives it back when freed, so the address space follows live memory rather than heap
+fragmentation, and where the full batch starts failing does not drift from run to run)
+and one intra-op thread each, two children at a time on a two-core machine. An allocation
 failure (``torch.OutOfMemoryError``, ``MemoryError`` or an allocator ``RuntimeError``)
 in the full-batch step is reported as "Failed", like the paper.
 
@@ -285,6 +288,7 @@ def _child_env(threads: int) -> dict[str, str]:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["MALLOC_ARENA_MAX"] = "2"
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
     return env
