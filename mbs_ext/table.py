@@ -1,0 +1,573 @@
+"""A miniature of the paper's Table 4 on a CPU: full-batch training vs MBS under a memory cap.
+
+A small CNN is trained on scikit-learn's digits (the 8x8 images upsampled once to 32x32,
+so that activations dominate memory the way they do for real images). For every
+mini-batch size B one *child process* trains the same initial model twice over the same
+data order: first with :func:`mbs_ext.step` at a fixed micro-batch size, then with the
+plain full-batch step (``zero_grad(); loss.backward(); step()`` on the whole mini-batch).
+
+The memory cap
+--------------
+After the child has imported torch, built model and data and warmed up (one tiny
+forward/backward/step on a throwaway copy, so that lazily created allocator arenas and
+kernels exist), it reads its own current virtual size (``VmSize``) and sets
+``RLIMIT_AS`` to ``VmSize + headroom``. The headroom is calibrated, not guessed: one
+calibration child runs the MBS step at the given micro-batch size on the *largest*
+mini-batch of the table (so the per-step gather of the mini-batch rows is included)
+plus an evaluation pass, and reports its peak growth ``VmPeak - VmSize`` over the same
+starting point. The cap is that growth times 1.5 plus 16 MiB of slack:
+
+* MBS needs only micro-batch-sized activations, so its growth does not depend on B and
+  the same cap fits every row; 1.5x + 16 MiB absorbs allocator jitter (arena
+  fragmentation, caching, run-to-run differences) so MBS never trips it;
+* the full-batch step needs activations for all B rows at once, so as soon as B is a
+  few times the micro-batch it needs more than the cap and the allocation fails, the
+  way a real accelerator runs out of memory.
+
+Children run with ``MALLOC_ARENA_MAX=2`` (glibc otherwise reserves one 64 MiB arena per
+thread, which would make address-space accounting depend on thread scheduling),
+``MALLOC_MMAP_THRESHOLD_=131072`` (every tensor above 128 KiB gets its own mapping and
+gives it back when freed, so the address space follows live memory rather than heap
+fragmentation, and where the full batch starts failing does not drift from run to run)
+and one intra-op thread each, two children at a time on a two-core machine. An allocation
+failure (``torch.OutOfMemoryError``, ``MemoryError`` or an allocator ``RuntimeError``)
+in the full-batch step is reported as "Failed", like the paper.
+
+Run ``python -m mbs_ext.table --out DIR`` (or ``main([...])``); writes ``table.md``,
+``table.json`` and ``table.png`` to ``DIR`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+RESULT_TAG = "MBS_TABLE_RESULT "
+DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
+CAP_FACTOR = 1.5
+CAP_SLACK = 16 << 20
+MIB = float(1 << 20)
+
+
+# --------------------------------------------------------------------------- data, model
+
+
+def load_data(seed: int = 0, image_size: int = 32, test_fraction: float = 0.2):
+    """Digits as float tensors ``(x_train, y_train, x_test, y_test)``, images upsampled once."""
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    x = (x - 0.5) / 0.5
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    idx = list(range(len(y)))
+    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=digits.target)
+    tr_t = torch.tensor(tr)
+    te_t = torch.tensor(te)
+    return x[tr_t].contiguous(), y[tr_t].contiguous(), x[te_t].contiguous(), y[te_t].contiguous()
+
+
+def make_model(image_size: int = 32, num_classes: int = 10):
+    """A small CNN whose activations (about 270 KB a sample at 32x32) dwarf its weights."""
+    from torch import nn
+
+    side = image_size // 4
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * side * side, 64),
+        nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def make_optimizer(model, batch_size: int, micro_batch_size: int, base_lr: float):
+    """Adam with the learning rate scaled by sqrt(B / micro), capped at 10x the base."""
+    import torch
+
+    lr = base_lr * min(10.0, math.sqrt(max(1.0, batch_size / micro_batch_size)))
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def proc_status() -> dict[str, int]:
+    """``Vm*`` fields of /proc/self/status, in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Vm"):
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * 1024
+    return out
+
+
+def is_alloc_error(exc: BaseException) -> bool:
+    """True for an allocation failure (the capped process ran out of memory)."""
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        msg = str(exc).lower()
+        return any(k in msg for k in ("alloc", "out of memory", "not enough memory", "bad_alloc"))
+    return False
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _evaluate(model, x, y, chunk: int) -> float:
+    import torch
+
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for s in range(0, len(y), chunk):
+            correct += int((model(x[s : s + chunk]).argmax(1) == y[s : s + chunk]).sum())
+    model.train()
+    return correct / len(y)
+
+
+def _train(model, opt, x, y, *, batch_size, micro, mbs, epochs, max_steps, seed) -> list[float]:
+    """Train; returns per-epoch wall times. Allocation failures propagate."""
+    import torch
+    from torch import nn
+
+    import mbs_ext
+
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(epochs):
+        perm = torch.randperm(len(y), generator=gen)
+        t0 = time.perf_counter()
+        for i, s in enumerate(range(0, len(y), batch_size)):
+            if max_steps and i >= max_steps:
+                break
+            idx = perm[s : s + batch_size]
+            xb, yb = x[idx], y[idx]
+            if mbs:
+                mbs_ext.step(model, opt, (xb, yb), loss_fn, micro_batch_size=micro)
+            else:
+                opt.zero_grad()
+                loss = loss_fn(model(xb), yb)
+                loss.backward()
+                opt.step()
+                del loss
+            del xb, yb
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(RESULT_TAG + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _child(args: argparse.Namespace) -> int:
+    import copy
+    import gc
+    import resource
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    x, y, xt, yt = load_data(args.seed, args.image_size)
+    size = len(y) if args.size <= 0 else min(args.size, len(y))
+    model = make_model(args.image_size)
+    init_state = copy.deepcopy(model.state_dict())
+
+    # Warm-up on a throwaway copy: kernels, allocator arenas, the streamer, the optimizer.
+    scratch = copy.deepcopy(model)
+    _train(
+        scratch,
+        make_optimizer(scratch, args.micro, args.micro, args.lr),
+        x[: args.micro * 2],
+        y[: args.micro * 2],
+        batch_size=args.micro * 2,
+        micro=args.micro,
+        mbs=True,
+        epochs=1,
+        max_steps=1,
+        seed=args.seed,
+    )
+    _train(
+        scratch,
+        make_optimizer(scratch, args.micro, args.micro, args.lr),
+        x[: args.micro],
+        y[: args.micro],
+        batch_size=args.micro,
+        micro=args.micro,
+        mbs=False,
+        epochs=1,
+        max_steps=1,
+        seed=args.seed,
+    )
+    _evaluate(scratch, xt, yt, args.micro)
+    del scratch
+    gc.collect()
+    _malloc_trim()
+
+    base = proc_status()
+    info: dict[str, Any] = {"size": size, "micro": args.micro, "base_vmsize": base.get("VmSize", 0)}
+    if args.cap_bytes > 0:
+        limit = base["VmSize"] + args.cap_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        info["cap_bytes"] = args.cap_bytes
+
+    runs = [("mbs", True)] if args.mode == "calibrate" else [("mbs", True), ("full", False)]
+    for name, mbs in runs:
+        model.load_state_dict(init_state)
+        opt = make_optimizer(model, size, args.micro, args.lr)
+        rec = dict(info, run=name)
+        try:
+            times = _train(
+                model,
+                opt,
+                x,
+                y,
+                batch_size=size,
+                micro=args.micro,
+                mbs=mbs,
+                epochs=args.epochs,
+                max_steps=args.max_steps,
+                seed=args.seed,
+            )
+            rec["accuracy"] = _evaluate(model, xt, yt, args.micro)
+            rec["epoch_s"] = sum(times) / len(times)
+            rec["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - classified below, anything else re-raised
+            if not is_alloc_error(exc):
+                raise
+            rec["ok"] = False
+            rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        del opt
+        gc.collect()
+        _malloc_trim()
+        status = proc_status()
+        # VmPeak is the process's lifetime peak: the full run's value also covers the MBS run before it.
+        rec["peak_growth"] = status.get("VmPeak", 0) - base.get("VmSize", 0)
+        rec["rss_hwm_growth"] = status.get("VmHWM", 0) - base.get("VmRSS", 0)
+        _emit(rec)
+    return 0
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["MALLOC_ARENA_MAX"] = "2"
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_child(
+    mode: str,
+    size: int,
+    *,
+    micro: int = 16,
+    cap_bytes: int = 0,
+    epochs: int = 1,
+    max_steps: int = 0,
+    threads: int = 1,
+    seed: int = 0,
+    lr: float = 1e-3,
+    image_size: int = 32,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """Run one child (``mode`` "calibrate" or "row"); ``size`` <= 0 means the whole training set.
+
+    Returns ``{"mbs": rec, "full": rec, "returncode": rc, "stderr": tail}``; a run missing
+    from a child that died (e.g. killed by a signal) is absent.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "mbs_ext.table",
+        "--child",
+        mode,
+        "--size",
+        str(size),
+        "--micro",
+        str(micro),
+        "--cap-bytes",
+        str(int(cap_bytes)),
+        "--epochs",
+        str(epochs),
+        "--max-steps",
+        str(max_steps),
+        "--threads",
+        str(threads),
+        "--seed",
+        str(seed),
+        "--lr",
+        repr(lr),
+        "--image-size",
+        str(image_size),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads), timeout=timeout)
+    out: dict[str, Any] = {"returncode": proc.returncode, "stderr": proc.stderr[-2000:]}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            rec = json.loads(line[len(RESULT_TAG) :])
+            out[rec["run"]] = rec
+    return out
+
+
+def calibrate(size: int, *, micro: int = 16, **kw: Any) -> dict[str, Any]:
+    """Peak growth of the MBS run (bytes) and the resulting cap."""
+    res = run_child("calibrate", size, micro=micro, **kw)
+    rec = res.get("mbs")
+    if rec is None or not rec.get("ok"):
+        raise RuntimeError(f"calibration child failed (rc={res['returncode']}):\n{res['stderr']}")
+    growth = max(rec["peak_growth"], 0)
+    return {"growth": growth, "cap": int(growth * CAP_FACTOR + CAP_SLACK), "record": rec}
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _fmt_acc(rec: dict | None) -> str:
+    if not rec or not rec.get("ok"):
+        return "Failed"
+    return f"{100 * rec['accuracy']:.2f}%"
+
+
+def _fmt_time(rec: dict | None) -> str:
+    if not rec or not rec.get("ok"):
+        return "Failed"
+    return f"{rec['epoch_s']:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| Mini-batch | Micro-batch | Accuracy w/o MBS | Epoch time w/o MBS (s) "
+        "| Accuracy w/ MBS | Epoch time w/ MBS (s) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['micro']} | {_fmt_acc(r.get('full'))} | {_fmt_time(r.get('full'))} | "
+            f"{_fmt_acc(r.get('mbs'))} | {_fmt_time(r.get('mbs'))} |"
+        )
+    return "\n".join(lines)
+
+
+def write_table(
+    rows: list[dict[str, Any]], out_dir: str | os.PathLike, meta: dict[str, Any]
+) -> dict[str, Path]:
+    """Write ``table.md``, ``table.json`` and ``table.png``; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(rows)
+    cap_mib = meta.get("cap_bytes", 0) / MIB
+    md = [
+        "# MBS on a CPU: full-batch training vs micro-batch streaming under a memory cap",
+        "",
+        f"Digits (upsampled to {meta.get('image_size', 32)}x{meta.get('image_size', 32)}), small CNN, "
+        f"{meta.get('epochs')} epoch(s), {meta.get('n_train')} training / {meta.get('n_test')} test images. "
+        f"Each row ran in a child process capped (RLIMIT_AS) at its post-warm-up size + {cap_mib:.1f} MiB "
+        f"(= {CAP_FACTOR} x the MBS peak growth of {meta.get('growth_bytes', 0) / MIB:.1f} MiB + "
+        f'{CAP_SLACK / MIB:.0f} MiB). "Failed": the full-batch step hit an allocation error.',
+        "",
+        table,
+        "",
+    ]
+    paths = {"md": out / "table.md", "json": out / "table.json", "png": out / "table.png"}
+    paths["md"].write_text("\n".join(md))
+    paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, paths["png"])
+    return paths
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["size"] for r in rows]
+    fig, (ax_acc, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label, style in (("full", "without MBS", "o-"), ("mbs", "with MBS", "s--")):
+        ok = [(r["size"], r[key]) for r in rows if r.get(key) and r[key].get("ok")]
+        if ok:
+            ax_acc.plot([s for s, _ in ok], [100 * rec["accuracy"] for _, rec in ok], style, label=label)
+            ax_t.plot([s for s, _ in ok], [rec["epoch_s"] for _, rec in ok], style, label=label)
+    failed = [r["size"] for r in rows if not (r.get("full") and r["full"].get("ok"))]
+    if failed:
+        for ax in (ax_acc, ax_t):
+            lo = ax.get_ylim()[0] if ax.has_data() else 0.0
+            ax.scatter(
+                failed,
+                [lo] * len(failed),
+                marker="x",
+                color="red",
+                s=70,
+                zorder=5,
+                label="without MBS: Failed",
+                clip_on=False,
+            )
+    for ax, ylabel in ((ax_acc, "test accuracy (%)"), (ax_t, "epoch time (s)")):
+        if len(set(sizes)) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("mini-batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Full batch vs MBS under a memory cap (digits, small CNN, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_sizes(text: str, n_train: int) -> list[int]:
+    sizes = []
+    for tok in text.split(","):
+        tok = tok.strip().lower()
+        if not tok:
+            continue
+        sizes.append(n_train if tok in ("all", "full") else min(int(tok), n_train))
+    return sorted(dict.fromkeys(sizes))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mbs_ext table", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="mbs_table", help="output directory (default: mbs_table)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per run (default: 3)")
+    p.add_argument("--micro-batch", type=int, default=16, help="MBS micro-batch size (default: 16)")
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated mini-batch sizes, 'all' = whole training set (default: {DEFAULT_SIZES})",
+    )
+    p.add_argument("--jobs", type=int, default=0, help="children run at once (default: min(2, CPUs))")
+    p.add_argument(
+        "--max-steps", type=int, default=0, help="cap on steps per epoch, 0 = none (for quick runs)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
+    p.add_argument("--image-size", type=int, default=32)
+    # Child-process options (internal).
+    p.add_argument("--child", choices=("calibrate", "row"), help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--micro", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child:
+        args.mode = args.child
+        return _child(args)
+
+    from sklearn.datasets import load_digits
+
+    n_total = len(load_digits().target)
+    n_test = int(math.ceil(n_total * 0.2))
+    n_train = n_total - n_test
+    sizes = _parse_sizes(args.sizes, n_train)
+    cpus = os.cpu_count() or 1
+    jobs = args.jobs if args.jobs > 0 else max(1, min(2, cpus))
+    threads = max(1, cpus // jobs)
+    common = dict(
+        micro=args.micro_batch, threads=threads, seed=args.seed, lr=args.lr, image_size=args.image_size
+    )
+
+    t0 = time.perf_counter()
+    cal = calibrate(max(sizes), max_steps=2, epochs=1, **common)
+    print(
+        f"calibration: MBS peak growth {cal['growth'] / MIB:.1f} MiB at micro-batch {args.micro_batch} "
+        f"-> cap {cal['cap'] / MIB:.1f} MiB above each child's warm size",
+        flush=True,
+    )
+
+    def row(size: int) -> dict[str, Any]:
+        res = run_child(
+            "row", size, cap_bytes=cal["cap"], epochs=args.epochs, max_steps=args.max_steps, **common
+        )
+        r: dict[str, Any] = {
+            "size": size,
+            "micro": args.micro_batch,
+            "mbs": res.get("mbs"),
+            "full": res.get("full"),
+        }
+        if res["returncode"] != 0:
+            r["child_returncode"] = res["returncode"]
+            r["child_stderr"] = res["stderr"]
+            if r["full"] is None and r["mbs"] is not None and r["mbs"].get("ok"):
+                # The child died inside the capped full-batch run (e.g. a native abort on allocation).
+                r["full"] = {"ok": False, "error": f"child exited with {res['returncode']}"}
+        status = "ok" if r["full"] and r["full"].get("ok") else "Failed"
+        print(
+            f"  B={size:5d}: without MBS {status}; with MBS "
+            f"{'ok' if r['mbs'] and r['mbs'].get('ok') else 'FAILED'}",
+            flush=True,
+        )
+        return r
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        rows = list(pool.map(row, sizes))
+
+    meta = {
+        "epochs": args.epochs,
+        "micro_batch": args.micro_batch,
+        "max_steps": args.max_steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "image_size": args.image_size,
+        "n_train": n_train,
+        "n_test": n_test,
+        "growth_bytes": cal["growth"],
+        "cap_bytes": cal["cap"],
+        "cap_factor": CAP_FACTOR,
+        "cap_slack": CAP_SLACK,
+        "threads_per_child": threads,
+        "jobs": jobs,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+    paths = write_table(rows, args.out, meta)
+    print(format_table(rows))
+    print(f"wrote {paths['md']}, {paths['png']} ({meta['wall_s']} s)")
+    bad = [r["size"] for r in rows if not (r.get("mbs") and r["mbs"].get("ok"))]
+    if bad:
+        print(f"warning: MBS failed at mini-batch sizes {bad}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

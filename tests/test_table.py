@@ -1,0 +1,95 @@
+"""The Table 4 miniature: a capped child where the full batch fails and MBS trains."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+from mbs_ext import table  # noqa: E402
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and RLIMIT_AS")
+
+
+@pytest.fixture(scope="module")
+def cal():
+    """One calibration child at B=1024, micro-batch 16 (shared by the capped-child tests)."""
+    return table.calibrate(1024, micro=16, epochs=1, max_steps=1, threads=1)
+
+
+@linux_only
+def test_capped_child_full_batch_fails_mbs_succeeds(cal):
+    assert 0 < cal["growth"] < 64 << 20, cal
+    res = table.run_child("row", 1024, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=1, threads=1)
+    assert res["returncode"] == 0, res["stderr"]
+    mbs, full = res["mbs"], res["full"]
+    assert mbs["ok"], mbs
+    assert mbs["cap_bytes"] == cal["cap"]
+    assert 0.0 <= mbs["accuracy"] <= 1.0 and mbs["epoch_s"] > 0
+    assert not full["ok"], full
+    assert "allocate" in full["error"].lower() or "memory" in full["error"].lower(), full["error"]
+
+
+@linux_only
+def test_capped_child_small_full_batch_fits(cal):
+    # The cap is not a blanket failure: at B = micro-batch the full batch fits too.
+    res = table.run_child("row", 16, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=2, threads=1)
+    assert res["returncode"] == 0, res["stderr"]
+    assert res["mbs"]["ok"] and res["full"]["ok"], res
+    # Same initial weights, same data order, one micro-batch per step: the same model.
+    assert res["mbs"]["accuracy"] == pytest.approx(res["full"]["accuracy"], abs=0.01)
+
+
+def test_is_alloc_error():
+    import torch
+
+    assert table.is_alloc_error(MemoryError())
+    assert table.is_alloc_error(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")
+    )
+    assert table.is_alloc_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not table.is_alloc_error(RuntimeError("shape mismatch"))
+    assert not table.is_alloc_error(ValueError("allocate"))
+
+
+def test_parse_sizes():
+    assert table._parse_sizes("16,32,all", 100) == [16, 32, 100]
+    assert table._parse_sizes("512,16,full,16", 100) == [16, 100]
+
+
+def test_write_table(tmp_path):
+    ok = {"ok": True, "accuracy": 0.9, "epoch_s": 1.25}
+    rows = [
+        {"size": 16, "micro": 16, "full": dict(ok), "mbs": dict(ok, epoch_s=1.5)},
+        {
+            "size": 1024,
+            "micro": 16,
+            "full": {"ok": False, "error": "RuntimeError: can't allocate"},
+            "mbs": dict(ok, accuracy=0.5),
+        },
+    ]
+    meta = {"epochs": 1, "n_train": 1437, "n_test": 360, "growth_bytes": 10 << 20, "cap_bytes": 31 << 20}
+    paths = table.write_table(rows, tmp_path / "out", meta)
+    md = paths["md"].read_text()
+    assert "| 16 | 16 | 90.00% | 1.25 | 90.00% | 1.50 |" in md
+    assert "| 1024 | 16 | Failed | Failed | 50.00% | 1.25 |" in md
+    assert paths["png"].stat().st_size > 1000
+    assert json.loads(paths["json"].read_text())["rows"][1]["full"]["ok"] is False
+
+
+@linux_only
+@pytest.mark.slow
+def test_main_tiny(tmp_path, capsys):
+    out = tmp_path / "tbl"
+    assert table.main(["--out", str(out), "--epochs", "1", "--max-steps", "1", "--sizes", "16,all"]) == 0
+    md = (out / "table.md").read_text()
+    assert (out / "table.png").exists()
+    data = json.loads((out / "table.json").read_text())
+    sizes = [r["size"] for r in data["rows"]]
+    assert sizes == [16, data["meta"]["n_train"]]
+    assert all(r["mbs"]["ok"] for r in data["rows"])
+    assert data["rows"][0]["full"]["ok"] and not data["rows"][1]["full"]["ok"]
+    assert "Failed" in md and "Failed" in capsys.readouterr().out
