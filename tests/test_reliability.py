@@ -1,0 +1,178 @@
+"""Injected faults: every failure point leaves parameters, optimizer, scaler and
+BatchNorm state bit-identical, and leaves no worker thread behind."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bit_identical, snapshot
+from torch import nn
+
+import mbs_ext
+
+N, M = 11, 3  # four micro-batches: 3, 3, 3, 2 rows
+NUM_MB = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.l2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.bn(self.l1(x))))
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 5, generator=g), torch.randn(N, 3, generator=g)
+
+
+def mse(model, mb):
+    return F.mse_loss(model(mb[0]), mb[1])
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def setup(deferred: bool = True):
+    torch.manual_seed(0)
+    model = Net()
+    if deferred:
+        model = mbs_ext.convert_batchnorm(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
+    mbs_ext.step(model, opt, batch(7), mse, micro_batch_size=M, scaler=scaler)  # non-trivial state
+    return model, opt, scaler
+
+
+class Injected(Exception):
+    pass
+
+
+def _assert_untouched_then_fresh_equivalent(model, opt, scaler, before, fresh):
+    assert_bit_identical(snapshot(model, opt, scaler), before)
+    assert all(p.grad is None for p in model.parameters())
+    mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, scaler=scaler)
+    f_model, f_opt, f_scaler = fresh
+    mbs_ext.step(f_model, f_opt, batch(), mse, micro_batch_size=M, scaler=f_scaler)
+    assert_bit_identical(snapshot(model, opt, scaler), snapshot(f_model, f_opt, f_scaler))
+
+
+@pytest.mark.parametrize("exc_type", [Injected, KeyboardInterrupt])
+@pytest.mark.parametrize("fail_at", range(NUM_MB))
+def test_exception_inside_the_model(fail_at, exc_type):
+    model, opt, scaler = setup()
+    fresh = copy.deepcopy((model, opt, scaler))
+    before = snapshot(model, opt, scaler)
+    calls = []
+
+    def hook(module, args):
+        calls.append(1)
+        if len(calls) == fail_at + 1:
+            raise exc_type("injected inside the model")
+
+    handle = model.l2.register_forward_pre_hook(hook)
+    start_threads = threads()
+    with pytest.raises(exc_type) as info:
+        mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, scaler=scaler)
+    handle.remove()
+    assert any(f"micro-batch {fail_at} of {NUM_MB}" in note for note in info.value.__notes__)
+    assert threads() <= start_threads, "a worker thread outlived the failed step"
+    _assert_untouched_then_fresh_equivalent(model, opt, scaler, before, fresh)
+
+
+@pytest.mark.parametrize("fail_at", range(NUM_MB))
+def test_exception_in_backward(fail_at):
+    model, opt, scaler = setup()
+    fresh = copy.deepcopy((model, opt, scaler))
+    before = snapshot(model, opt, scaler)
+    calls = []
+
+    def grad_hook(grad):
+        calls.append(1)
+        if len(calls) == fail_at + 1:
+            raise Injected("injected in backward")
+        return grad
+
+    handle = model.l1.weight.register_hook(grad_hook)
+    with pytest.raises(Injected):
+        mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, scaler=scaler)
+    handle.remove()
+    _assert_untouched_then_fresh_equivalent(model, opt, scaler, before, fresh)
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+@pytest.mark.parametrize("bad_at", range(NUM_MB))
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_loss_at_every_micro_batch_skips(bad_at, value, deferred):
+    model, opt, _ = setup(deferred)
+    before = snapshot(model, opt)
+    calls = []
+
+    def loss_fn(m, mb):
+        calls.append(1)
+        loss = mse(m, mb)
+        return loss * value if len(calls) == bad_at + 1 else loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = mbs_ext.step(model, opt, batch(), loss_fn, micro_batch_size=M)
+    assert result.skipped
+    assert any("non-finite" in str(w.message) for w in caught)
+    after = snapshot(model, opt)
+    assert_bit_identical(after, before)
+
+
+@pytest.mark.parametrize("bad_at", range(NUM_MB))
+@pytest.mark.parametrize("element", [0, -1])
+def test_nonfinite_gradient_element_of_last_parameter_skips(bad_at, element):
+    model, opt, _ = setup()
+    before = snapshot(model, opt)
+    last = list(model.parameters())[-1]
+    calls = []
+
+    def poison(grad):
+        calls.append(1)
+        if len(calls) == bad_at + 1:
+            grad = grad.clone()
+            grad.view(-1)[element] = float("inf")
+        return grad
+
+    handle = last.register_hook(poison)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        result = mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M)
+    handle.remove()
+    assert result.skipped
+    assert_bit_identical(snapshot(model, opt), before)
+    with pytest.raises(FloatingPointError):
+        handle = last.register_hook(poison)
+        calls.clear()
+        mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, on_nonfinite="raise")
+    handle.remove()
+    assert_bit_identical(snapshot(model, opt), before)
+
+
+def test_interrupted_streams_leave_no_threads():
+    model, opt, scaler = setup()
+    start = threads()
+    for k in range(30):
+        calls = []
+
+        def loss_fn(m, mb, k=k, calls=calls):
+            calls.append(1)
+            if len(calls) == k % NUM_MB + 1:
+                raise KeyboardInterrupt
+            return mse(m, mb)
+
+        with pytest.raises(KeyboardInterrupt):
+            mbs_ext.step(model, opt, batch(), loss_fn, micro_batch_size=M)
+    assert threads() <= start + 1  # at most the ring's idle worker, never one per stream
