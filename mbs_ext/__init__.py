@@ -12,6 +12,7 @@ import torch
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.ops import scale_accumulate_
+from mbs_ext.ring import StreamRing
 
 
 def build_info() -> dict:
@@ -25,4 +26,4 @@ def build_info() -> dict:
     }
 
 
-__all__ = ["__version__", "build_info", "scale_accumulate_"]
+__all__ = ["StreamRing", "__version__", "build_info", "scale_accumulate_"]
