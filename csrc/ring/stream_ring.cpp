@@ -1,5 +1,6 @@
 #include "ring/stream_ring.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -116,7 +117,7 @@ void RingStream::stage(int64_t item, int slot) {
     configured = true;
   }
   const auto t0 = Clock::now();
-  at::NoGradGuard no_grad;
+  c10::AutoGradMode no_grad(false);
   const auto [start, stop] = range_of(item);
   const int64_t len = stop - start;
   at::Tensor idx;
