@@ -491,3 +491,31 @@ def test_cuda_copy_overlaps_kernel():
     assert extra_ms < 0.3 * copy_ms, (extra_ms, copy_ms)
     assert torch.equal(first.cpu(), data[:1]) and torch.equal(second.cpu(), data[1:2])
     it.close()
+
+
+def test_dropped_buffers_recycled_kept_ones_untouched():
+    # Host memory of dropped micro-batches is reused; micro-batches still referenced
+    # (even as a view) are never written again, across many streams.
+    data = torch.arange(4000, dtype=torch.int64).reshape(1000, 4)
+    ring = StreamRing("cpu")
+    kept = {}
+    for rep in range(5):
+        for j, mb in enumerate(ring.stream(data, 50)):
+            if j % 7 == rep:
+                kept[(rep, j)] = mb[1:]  # a view keeps the storage alive
+    for (_, j), view in kept.items():
+        assert torch.equal(view, data[j * 50 + 1 : j * 50 + 50])
+
+
+def test_micro_batch_can_be_resized_and_mutated():
+    data = torch.arange(30.0).reshape(10, 3)
+    out = []
+    for mb in StreamRing("cpu").stream(data, 4):
+        mb.add_(1)  # user-owned: writing does not disturb the source or later items
+        out.append(mb)
+    assert torch.equal(torch.cat(out), data + 1)
+    big = out[0]
+    big.resize_(100, 3)
+    big.zero_()
+    assert torch.equal(torch.cat(out[1:]), data[4:] + 1)
+    assert torch.equal(data, torch.arange(30.0).reshape(10, 3))

@@ -1,7 +1,11 @@
 #include "ring/stream_ring.h"
 
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <chrono>
@@ -70,17 +74,76 @@ at::Tensor check_indices(const std::optional<at::Tensor>& indices) {
   }
 }
 
+struct PooledBuffer {
+  std::shared_ptr<HostBufferPool> pool;
+  void* ptr;
+  size_t nbytes;
+};
+
 }  // namespace
 
+HostBufferPool::~HostBufferPool() {
+  for (auto& [nbytes, ptr] : free_) c10::GetCPUAllocator()->raw_deallocate(ptr);
+}
+
+size_t HostBufferPool::cached() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return free_.size();
+}
+
+void HostBufferPool::release(void* ctx) {
+  auto* buf = static_cast<PooledBuffer*>(ctx);
+  buf->pool->give_back(buf->ptr, buf->nbytes);
+  delete buf;
+}
+
+void HostBufferPool::give_back(void* ptr, size_t nbytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < max_cached_) {
+      free_.emplace_back(nbytes, ptr);
+      return;
+    }
+  }
+  c10::GetCPUAllocator()->raw_deallocate(ptr);
+}
+
+at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
+  const int64_t numel = c10::multiply_integers(shape);
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].first == nbytes) {
+        ptr = free_[i].second;
+        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  }
+  if (ptr == nullptr) ptr = c10::GetCPUAllocator()->raw_allocate(std::max<size_t>(nbytes, 1));
+  auto* ctx = new PooledBuffer{shared_from_this(), ptr, nbytes};
+  c10::DataPtr data(ptr, ctx, &HostBufferPool::release, c10::Device(c10::kCPU));
+  // Resizable with the CPU allocator: growing the tensor later moves it to new
+  // memory and hands this buffer back to the pool.
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                       std::move(data), c10::GetCPUAllocator(), /*resizable=*/true);
+  return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
+      .set_(c10::Storage(std::move(storage)), 0, shape, c10::contiguous_strides(shape));
+}
+
 RingStream::RingStream(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
-                       std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats)
+                       std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
+                       std::shared_ptr<HostBufferPool> pool)
     : device_(device),
       leaves_(std::move(leaves)),
       micro_batch_size_(micro_batch_size),
       indices_(check_indices(indices)),
       total_rows_(indices_.defined() ? indices_.numel() : check_leaves(leaves_)),
       items_((total_rows_ + std::max<int64_t>(micro_batch_size, 1) - 1) / std::max<int64_t>(micro_batch_size, 1)),
-      stats_(std::move(stats)) {
+      stats_(std::move(stats)),
+      pool_(std::move(pool)) {
   check_leaves(leaves_);
   TORCH_CHECK_VALUE(micro_batch_size >= 1, "StreamRing: micro_batch_size must be >= 1, got ", micro_batch_size);
   TORCH_CHECK_VALUE(slots >= 2, "StreamRing: slots must be >= 2, got ", slots);
@@ -141,7 +204,7 @@ void RingStream::stage(int64_t item, int slot) {
         }
         dst = buf.narrow(0, 0, len);
       } else {
-        dst = at::empty(shape, at::TensorOptions().dtype(src.scalar_type()).device(at::kCPU));
+        dst = pool_->empty(shape, src.scalar_type());
       }
       if (idx.defined()) {
         at::index_select_out(dst, src, 0, idx);
@@ -257,7 +320,10 @@ std::unique_ptr<DeviceTransfer> make_device_transfer(c10::Device device, int /*s
 #endif
 
 StreamRing::StreamRing(c10::Device device, int slots)
-    : device_(device), slots_(slots), stats_(std::make_shared<RingStats>()) {
+    : device_(device),
+      slots_(slots),
+      stats_(std::make_shared<RingStats>()),
+      pool_(std::make_shared<HostBufferPool>(static_cast<size_t>(slots) + 2)) {
   TORCH_CHECK_VALUE(slots >= 2, "StreamRing: slots must be >= 2, got ", slots);
   TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "StreamRing: device must be cpu or cuda, got ", device);
 }
@@ -275,7 +341,7 @@ std::shared_ptr<RingStream> StreamRing::open(std::vector<at::Tensor> leaves, int
   if (auto previous = current_.lock()) previous->supersede();
   auto stats = std::make_shared<RingStats>();
   auto stream = std::make_shared<RingStream>(device_, slots_, std::move(leaves), micro_batch_size,
-                                             std::move(indices), stats);
+                                             std::move(indices), stats, pool_);
   stats_ = std::move(stats);
   current_ = stream;
   return stream;

@@ -32,6 +32,28 @@ struct RingStats {
   std::atomic<int64_t> planned{0};
 };
 
+// Host memory for CPU micro-batches. A buffer comes back to the pool only when the
+// last reference to the tensor built on it is gone, so a handed-out micro-batch is
+// never overwritten; reusing freed buffers spares the page faults of fresh memory.
+class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
+ public:
+  explicit HostBufferPool(size_t max_cached) : max_cached_(max_cached) {}
+  ~HostBufferPool();
+  HostBufferPool(const HostBufferPool&) = delete;
+  HostBufferPool& operator=(const HostBufferPool&) = delete;
+  // A contiguous CPU tensor on a pooled (or new) buffer; resizable like any other.
+  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype);
+  size_t cached() const;
+
+ private:
+  static void release(void* ctx);
+  void give_back(void* ptr, size_t nbytes);
+
+  const size_t max_cached_;
+  mutable std::mutex mu_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
 // One micro-batch whose host->device copy has been enqueued but not yet handed out.
 struct DeviceBatch {
   int64_t item = -1;
@@ -62,7 +84,8 @@ std::unique_ptr<DeviceTransfer> make_device_transfer(c10::Device device, int slo
 class RingStream {
  public:
   RingStream(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
-             std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats);
+             std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
+             std::shared_ptr<HostBufferPool> pool);
   ~RingStream();
   RingStream(const RingStream&) = delete;
   RingStream& operator=(const RingStream&) = delete;
@@ -93,6 +116,7 @@ class RingStream {
   const int64_t total_rows_;
   const int64_t items_;
   const std::shared_ptr<RingStats> stats_;
+  const std::shared_ptr<HostBufferPool> pool_;
   std::unique_ptr<DeviceTransfer> transfer_;
   // Per slot: what the worker staged (handed over through the core's protocol).
   std::vector<std::vector<at::Tensor>> staged_;
@@ -131,6 +155,7 @@ class StreamRing {
   mutable std::mutex mu_;
   std::weak_ptr<RingStream> current_;
   std::shared_ptr<RingStats> stats_;
+  std::shared_ptr<HostBufferPool> pool_;
 };
 
 }  // namespace mbs

@@ -203,8 +203,8 @@ void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, co
 
 std::string compiled_cuda_archs() {
 #ifdef __CUDA_ARCH_LIST__
-#define MBS_STR2(x) #x
-#define MBS_STR(x) MBS_STR2(x)
+#define MBS_STR2(...) #__VA_ARGS__
+#define MBS_STR(...) MBS_STR2(__VA_ARGS__)
   return MBS_STR(__CUDA_ARCH_LIST__);
 #else
   return "";
