@@ -148,6 +148,13 @@ def measure(rounds: int = ROUNDS) -> dict:
             "ring/serial": r / serial,
             "serial/(S+C)": serial / (s + c),
         },
+        "target_met": r <= 1.1 * max(s, c),
+        "ms_per_micro_batch_best_round": {
+            "S": best["stage"],
+            "C": best["compute"],
+            "serial": best["serial"],
+            "ring": best["ring"],
+        },
         "ring_stats_last_round": ring_stats[-1],
         "samples_s": samples,
     }
