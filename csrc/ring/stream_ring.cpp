@@ -91,6 +91,11 @@ size_t HostBufferPool::cached() const {
   return free_.size();
 }
 
+void HostBufferPool::cache_at_least(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  max_cached_ = std::max(max_cached_, n);
+}
+
 void HostBufferPool::release(void* ctx) {
   auto* buf = static_cast<PooledBuffer*>(ctx);
   buf->pool->give_back(buf->ptr, buf->nbytes);
@@ -152,6 +157,8 @@ RingStream::RingStream(c10::Device device, int slots, std::vector<at::Tensor> le
   } else {
     TORCH_CHECK_VALUE(device_.is_cpu(), "StreamRing: device must be cpu or cuda, got ", device_);
   }
+  // Buffers in flight: the slots, the micro-batch in use and the one being dropped.
+  pool_->cache_at_least(leaves_.size() * (static_cast<size_t>(slots) + 2));
   staged_.resize(static_cast<size_t>(slots));
   pinned_.resize(static_cast<size_t>(slots));
   stats_->planned.store(items_);

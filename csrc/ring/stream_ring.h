@@ -44,13 +44,15 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   // A contiguous CPU tensor on a pooled (or new) buffer; resizable like any other.
   at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype);
   size_t cached() const;
+  // Caches up to n free buffers (never lowers the limit).
+  void cache_at_least(size_t n);
 
  private:
   static void release(void* ctx);
   void give_back(void* ptr, size_t nbytes);
 
-  const size_t max_cached_;
   mutable std::mutex mu_;
+  size_t max_cached_;
   std::vector<std::pair<size_t, void*>> free_;
 };
 
