@@ -1,80 +1,197 @@
-"""Placeholder StreamRing: a synchronous stand-in, replaced by the native ring on merge.
+"""Python face of the streaming ring: ``StreamRing(device).stream(batch, m)``.
 
-It implements exactly the public interface the training step relies on --
-``StreamRing(device, slots=2)``, ``ring.stream(batch, micro_batch_size, *, indices=None)``
-and ``ring.stats()`` -- without any overlap of copy and compute, so the step can be
-developed and tested before the native, double-buffered ring lands.
+The batch (a tensor, or a nested tuple/list/dict of tensors sharing dim-0 size N)
+stays on the host; a background C++ worker thread stages micro-batch i+1 (a slice,
+or a gather by ``indices``) while the caller computes on micro-batch i.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import numbers
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mbs_ext import batch as _batch
+from mbs_ext._native import _C
+
+__all__ = ["StreamRing", "RingIterator"]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_device(device: Any) -> torch.device:
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, (str, int)) and not isinstance(device, bool):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(f"device must be a valid torch device, got {device!r}: {exc}") from None
+    else:
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or a 'cuda' device, got {str(dev)!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device is {str(dev)!r} but CUDA is not available in this process")
+    if not _C.cuda_compiled:
+        raise ValueError(f"device is {str(dev)!r} but mbs_ext was built without CUDA support")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return torch.device("cuda", index)
+
+
+def _check_indices(indices: Any, n: int) -> torch.Tensor:
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a 1-d int64 tensor or None, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"indices must be a 1-d int64 (or int32) tensor, got dtype {indices.dtype}")
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-d tensor, got shape {tuple(indices.shape)}")
+    if indices.device.type != "cpu":
+        raise ValueError(f"indices must be on the CPU, got {indices.device}")
+    if indices.numel() == 0:
+        raise ValueError("indices must not be empty")
+    indices = indices.to(torch.int64).contiguous()
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0:
+        raise ValueError(f"indices must lie in [0, {n}), found negative index {lo}")
+    if hi >= n:
+        raise ValueError(f"indices must lie in [0, {n}), found index {hi}")
+    return indices
+
+
+class RingIterator:
+    """Iterator over the micro-batches of one stream.
+
+    After each ``next()``, ``index`` is the micro-batch number and ``rows`` its
+    ``(start, stop)`` range: rows of the batch, or positions in ``indices`` when
+    streaming by indices. ``close()`` stops the worker; so does exhausting the
+    iterator, an error, or dropping it.
+    """
+
+    __slots__ = ("_handle", "_ring", "_flat", "_tensor_pos", "_spec", "index", "rows", "__weakref__")
+
+    def __init__(self, ring: StreamRing, handle, flat: list, tensor_pos: list[int], spec) -> None:
+        self._ring = ring  # keeps the ring alive while iterating
+        self._handle = handle
+        self._flat = flat
+        self._tensor_pos = tensor_pos
+        self._spec = spec
+        self.index: int = -1
+        self.rows: tuple[int, int] = (0, 0)
+
+    def __iter__(self) -> RingIterator:
+        return self
+
+    def __len__(self) -> int:
+        return int(self._handle.num_micro_batches) if self._handle is not None else 0
+
+    def __next__(self):
+        handle = self._handle
+        if handle is None:
+            raise StopIteration
+        try:
+            out = handle.next()
+        except BaseException:
+            self.close()
+            raise
+        if out is None:
+            self.close()
+            raise StopIteration
+        self.index = handle.index
+        self.rows = handle.rows
+        flat = list(self._flat)
+        for pos, tensor in zip(self._tensor_pos, out, strict=True):
+            flat[pos] = tensor
+        return tree_unflatten(flat, self._spec)
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 class StreamRing:
-    """Streams micro-batches of a host batch to ``device`` (synchronous placeholder)."""
+    """Streams a host batch to ``device`` in micro-batches through ``slots`` staging slots.
 
-    def __init__(self, device: torch.device | str, slots: int = 2) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
-        self.device = torch.device(device)
+    A background C++ worker thread stages micro-batch i+1 (copy of a row range, or a
+    gather by ``indices``) while the caller computes on micro-batch i. Every
+    micro-batch handed out is a freshly allocated tensor the ring never writes again.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", slots: int = 2) -> None:
+        slots = _check_int("slots", slots, 2)
+        self.device = _check_device(device)
         self.slots = slots
-        self._stats = {"stage_s": 0.0, "wait_s": 0.0, "micro_batches": 0, "bytes": 0}
+        self._ring = _C.StreamRing(str(self.device), slots)
 
     def stream(
         self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None
-    ) -> Iterator[Any]:
-        """Yield micro-batches on ``device``, covering the rows once, in order."""
-        m = micro_batch_size
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
-        rows = _batch.check_batch(batch)
-        if indices is not None:
-            indices = _batch.check_indices(indices, rows)
-            rows = indices.numel()
-        return self._generate(batch, micro_batch_size, indices, rows)
+    ) -> RingIterator:
+        """Iterate over ``batch`` in micro-batches of ``micro_batch_size`` rows, on ``device``.
 
-    def _generate(self, batch: Any, m: int, indices: torch.Tensor | None, rows: int) -> Iterator[Any]:
-        for start in range(0, rows, m):
-            length = min(m, rows - start)
-            t0 = time.perf_counter()
-            if indices is None:
-                part = _batch.narrow(batch, start, length)
-            else:
-                part = _batch.take(batch, indices.narrow(0, start, length))
-            # A fresh tensor per micro-batch, never a view of the caller's batch.
-            moved = _batch.to_device(part, self.device)
-            moved = _fresh(moved, part)
-            dt = time.perf_counter() - t0
-            self._stats["stage_s"] += dt
-            self._stats["wait_s"] += dt
-            self._stats["micro_batches"] += 1
-            self._stats["bytes"] += sum(t.numel() * t.element_size() for t in _batch.tensor_leaves(moved))
-            yield moved
+        Each item has the structure of ``batch``; non-tensor leaves pass through
+        unchanged. With ``indices``, ``batch`` is a host dataset and micro-batch j is
+        ``batch[indices[j*m:(j+1)*m]]``, gathered by the worker. A stream still open
+        on this ring is closed first.
+        """
+        m = _check_int("micro_batch_size", micro_batch_size, 1)
+        flat, spec = tree_flatten(batch)
+        tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        if not tensor_pos:
+            raise ValueError("batch must contain at least one tensor")
+        leaves = [flat[i] for i in tensor_pos]
+        n = None
+        for k, t in enumerate(leaves):
+            if t.device.type != "cpu":
+                raise ValueError(f"batch tensors must be on the CPU, tensor {k} is on {t.device}")
+            if t.layout != torch.strided:
+                raise ValueError(f"batch tensors must be dense (strided), tensor {k} has layout {t.layout}")
+            if t.dim() == 0:
+                raise ValueError(f"batch tensors need a batch dim 0, tensor {k} is 0-dim")
+            if n is None:
+                n = t.shape[0]
+            elif t.shape[0] != n:
+                raise ValueError(
+                    f"batch tensors must share dim-0 size: tensor 0 has {n} rows, tensor {k} has {t.shape[0]}"
+                )
+        if n == 0:
+            raise ValueError("batch has 0 rows (dim-0 size N must be >= 1)")
+        if indices is not None:
+            indices = _check_indices(indices, n)
+        detached = [t.detach() for t in leaves]
+        handle = self._ring.open(detached, m, indices)
+        for i in tensor_pos:
+            flat[i] = None  # the template keeps only the non-tensor leaves
+        return RingIterator(self, handle, flat, tensor_pos, spec)
+
+    __call__ = stream
 
     def stats(self) -> dict:
-        """Cumulative counters since construction."""
-        return dict(self._stats)
+        """Totals of the most recent stream: stage_s (worker staging time), wait_s
+        (time the consumer waited for data), micro_batches, bytes (bytes staged)."""
+        return dict(self._ring.stats())
 
+    def close(self) -> None:
+        """Close the stream in progress, if any."""
+        self._ring.close()
 
-def _fresh(moved: Any, source: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
-    src = pytree.tree_leaves(source)
-    out = pytree.tree_leaves(moved)
-    spec = pytree.tree_structure(moved)
-    fixed = [
-        o.clone() if isinstance(o, torch.Tensor) and isinstance(s, torch.Tensor) and _shares(o, s) else o
-        for o, s in zip(out, src, strict=True)
-    ]
-    return pytree.tree_unflatten(fixed, spec)
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    def __repr__(self) -> str:
+        return f"StreamRing(device={str(self.device)!r}, slots={self.slots})"

@@ -1,0 +1,105 @@
+// CUDA side of the streaming ring: a dedicated copy stream from the pool, one
+// "copied" event per pinned slot, and device tensors allocated on the consumer's
+// current stream (so the caching allocator needs no record_stream in the usual case).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "ring/stream_ring.h"
+
+namespace mbs {
+
+namespace {
+
+class CudaTransfer final : public DeviceTransfer {
+ public:
+  CudaTransfer(c10::Device device, int slots)
+      : device_(device), copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())) {
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    copied_.assign(static_cast<size_t>(slots), nullptr);
+    recorded_.assign(static_cast<size_t>(slots), 0);
+    for (auto& ev : copied_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
+
+  ~CudaTransfer() override {
+    c10::cuda::CUDAGuard guard(device_);
+    // Pending work keeps what it needs; destroying a recorded event is allowed.
+    for (auto ev : copied_) {
+      if (ev) (void)cudaEventDestroy(ev);
+    }
+    if (ready_) (void)cudaEventDestroy(ready_);
+  }
+
+  at::Tensor alloc_pinned(at::IntArrayRef shape, at::ScalarType dtype) override {
+    c10::cuda::CUDAGuard guard(device_);
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true));
+  }
+
+  void wait_copied(int slot) override {
+    // recorded_[slot] is written by the consumer before it releases the slot; the
+    // ring core's hand-over orders that write before this read.
+    if (!recorded_[static_cast<size_t>(slot)]) return;
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaEventSynchronize(copied_[static_cast<size_t>(slot)]));
+  }
+
+  DeviceBatch enqueue(int64_t item, int slot, const std::vector<at::Tensor>& host) override {
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    DeviceBatch batch;
+    batch.item = item;
+    batch.slot = slot;
+    batch.alloc_stream = current.unwrap();
+    batch.tensors.reserve(host.size());
+    for (const at::Tensor& h : host) {  // fresh device memory, owned by the current stream
+      batch.tensors.push_back(at::empty(h.sizes(), at::TensorOptions().dtype(h.scalar_type()).device(device_)));
+    }
+    // The copy may only write that memory after the current stream's earlier work.
+    C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
+    {
+      c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+      for (size_t k = 0; k < host.size(); ++k) batch.tensors[k].copy_(host[k], /*non_blocking=*/true);
+    }
+    C10_CUDA_CHECK(cudaEventRecord(copied_[static_cast<size_t>(slot)], copy_stream_.stream()));
+    recorded_[static_cast<size_t>(slot)] = 1;
+    return batch;
+  }
+
+  void deliver(DeviceBatch& batch) override {
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), copied_[static_cast<size_t>(batch.slot)], 0));
+    if (current.unwrap() != batch.alloc_stream) {
+      // The caller switched streams since the copy was enqueued: tell the allocator.
+      for (auto& t : batch.tensors) t.record_stream(current.unwrap());
+    }
+  }
+
+  void discard(DeviceBatch& batch) override {
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream alloc(c10::cuda::CUDAStream::UNCHECKED, batch.alloc_stream);
+    // Memory goes back to the allocation stream only after the copy into it.
+    C10_CUDA_CHECK(cudaStreamWaitEvent(alloc.stream(), copied_[static_cast<size_t>(batch.slot)], 0));
+    batch.tensors.clear();
+  }
+
+ private:
+  const c10::Device device_;
+  const c10::cuda::CUDAStream copy_stream_;
+  cudaEvent_t ready_ = nullptr;
+  std::vector<cudaEvent_t> copied_;
+  std::vector<char> recorded_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceTransfer> make_device_transfer(c10::Device device, int slots) {
+  return std::make_unique<CudaTransfer>(device, slots);
+}
+
+}  // namespace mbs

@@ -1,0 +1,521 @@
+"""Behaviour of mbs_ext.StreamRing: exact coverage, gathers by indices, errors from
+the worker thread, early stops, no leaked threads, concurrency, lifetime of the
+handed-out tensors, input validation, and (with a GPU) the CUDA copy path."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
+
+from mbs_ext import StreamRing
+from mbs_ext._native import _C
+from mbs_ext.ring import RingIterator
+
+CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def make_tensor(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    if dtype == torch.int64:
+        return torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=torch.int64)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def nested_batch(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": make_tensor((n, 3, 5), torch.float32, gen),
+        "pair": (make_tensor((n,), torch.int64, gen), [make_tensor((n, 2), torch.float16, gen), "tag"]),
+        "mask": make_tensor((n, 4), torch.bool, gen),
+        "img": make_tensor((n, 2, 3, 3), torch.uint8, gen),
+        "meta": 7,
+    }
+
+
+def take(batch, start, stop):
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: take(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(take(v, start, stop) for v in batch)
+    return batch
+
+
+def gather(batch, idx):
+    if isinstance(batch, torch.Tensor):
+        return batch.index_select(0, idx)
+    if isinstance(batch, dict):
+        return {k: gather(v, idx) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(gather(v, idx) for v in batch)
+    return batch
+
+
+def assert_same(got, want, device="cpu"):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.device.type == torch.device(device).type
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.cpu(), want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want)
+        for k in want:
+            assert_same(got[k], want[k], device)
+    elif isinstance(want, (tuple, list)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same(g, w, device)
+    else:
+        assert got == want
+
+
+def check_stream(ring, batch, n, m, device="cpu"):
+    it = ring.stream(batch, m)
+    count = 0
+    for j, mb in enumerate(it):
+        start, stop = j * m, min((j + 1) * m, n)
+        assert it.index == j and it.rows == (start, stop)
+        assert_same(mb, take(batch, start, stop), device)
+        count += 1
+    assert count == -(-n // m)
+    return count
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("m", [1, 4, 50])
+@pytest.mark.parametrize("slots", [2, 3])
+def test_every_row_once_in_order(n, m, slots):
+    ring = StreamRing("cpu", slots=slots)
+    batch = nested_batch(n, seed=n * 100 + m)
+    count = check_stream(ring, batch, n, m)
+    stats = ring.stats()
+    assert stats["micro_batches"] == count
+    expected_bytes = sum(
+        t.nbytes for t in [batch["x"], batch["pair"][0], batch["pair"][1][0], batch["mask"], batch["img"]]
+    )
+    assert stats["bytes"] == expected_bytes
+    assert stats["stage_s"] > 0 and stats["wait_s"] >= 0
+
+
+def test_single_tensor_and_non_contiguous():
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    t = base.t()  # 10 rows, non-contiguous
+    ring = StreamRing("cpu")
+    out = list(ring.stream(t, 3))
+    assert [o.shape[0] for o in out] == [3, 3, 3, 1]
+    assert torch.equal(torch.cat(out), t)
+    assert all(o.is_contiguous() for o in out)
+
+
+def test_requires_grad_leaf_is_streamed_as_data():
+    x = torch.randn(9, 4, requires_grad=True)
+    out = list(StreamRing("cpu").stream(x, 4))
+    assert torch.equal(torch.cat(out), x.detach())
+    assert not any(o.requires_grad for o in out)
+
+
+def test_indices_repeats_and_random_order():
+    data = nested_batch(50, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, 50, (123,), generator=gen)  # repeats, random order
+    ring = StreamRing("cpu")
+    it = ring.stream(data, 10, indices=idx)
+    got = []
+    for j, mb in enumerate(it):
+        assert it.index == j and it.rows == (j * 10, min(j * 10 + 10, 123))
+        assert_same(mb, gather(data, idx[j * 10 : (j + 1) * 10]))
+        got.append(mb)
+    assert len(got) == 13
+    assert ring.stats()["micro_batches"] == 13
+
+
+def test_indices_int32_accepted():
+    data = torch.arange(20).reshape(10, 2)
+    idx = torch.tensor([9, 0, 0, 3], dtype=torch.int32)
+    out = list(StreamRing("cpu").stream(data, 3, indices=idx))
+    assert torch.equal(torch.cat(out), data[idx.long()])
+
+
+def test_worker_error_reraised_with_original_message():
+    # The low-level handle does not pre-check index values, so the worker's gather
+    # fails at micro-batch 2; earlier micro-batches arrive, then the error.
+    data = torch.arange(10.0)
+    idx = torch.tensor([0, 1, 2, 3, 4, 5, 99, 6])
+    ring = _C.StreamRing("cpu", 2)
+    handle = ring.open([data], 3, idx)
+    assert torch.equal(handle.next()[0], data[:3])
+    assert torch.equal(handle.next()[0], data[3:6])
+    with pytest.raises(IndexError, match="index out of range") as info:
+        handle.next()
+    assert "micro-batch 2" in str(info.value)
+    with pytest.raises(IndexError):  # asking again gives the same error, not a skip
+        handle.next()
+    handle.close()
+
+
+def test_worker_error_through_the_iterator():
+    # One leaf is fine, the other is too short for the low-level handle's indices.
+    ring = StreamRing("cpu")
+    n_before = os_threads()
+    handle = ring._ring.open([torch.zeros(8, 2), torch.zeros(8)], 4, torch.tensor([0, 1, 2, 3, 8]))
+    spec = tree_flatten((1, 2))[1]
+    it = RingIterator(ring, handle, [None, None], [0, 1], spec)
+    first = next(it)
+    assert first[0].shape == (4, 2)
+    with pytest.raises(IndexError, match="out of range"):
+        next(it)
+    assert it._handle is None  # closed after the error
+    assert os_threads() == n_before
+
+
+def test_early_break_and_thread_count():
+    data = nested_batch(64, seed=1)
+    ring = StreamRing("cpu")
+    list(ring.stream(data, 8))  # warm-up: lazily started pools
+    gc.collect()
+    before = os_threads()
+    for k in range(100):
+        it = ring.stream(data, 3 + k % 5, indices=torch.randperm(64) if k % 3 == 0 else None)
+        for j, _ in enumerate(it):
+            if k % 2 == 0 and j == k % 4:
+                break  # broken-off stream: left for the next stream / GC to close
+        if k % 4 == 1:
+            it.close()
+    del it
+    gc.collect()
+    assert os_threads() == before
+
+
+def test_gc_and_dropping_ring_stop_worker():
+    data = torch.randn(1000, 16)
+    before = os_threads()
+    it = StreamRing("cpu").stream(data, 10)  # the ring is a temporary
+    next(it)
+    assert os_threads() == before + 1
+    del it
+    gc.collect()
+    assert os_threads() == before
+    for _ in range(20):
+        ring = StreamRing("cpu", slots=3)
+        it = ring.stream(data, 7)
+        next(it)
+        del ring, it
+    gc.collect()
+    assert os_threads() == before
+
+
+def test_new_stream_closes_previous():
+    data = torch.arange(40)
+    ring = StreamRing("cpu")
+    first = ring.stream(data, 4)
+    assert torch.equal(next(first), data[:4])
+    second = ring.stream(data, 5)
+    with pytest.raises(RuntimeError, match="new stream was started"):
+        next(first)
+    assert torch.equal(torch.cat(list(second)), data)
+    assert ring.stats()["micro_batches"] == 8
+
+
+def test_close_then_next_stops():
+    ring = StreamRing("cpu")
+    it = ring.stream(torch.arange(10), 2)
+    next(it)
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    it.close()  # idempotent
+
+
+def test_two_rings_at_once():
+    a_data = nested_batch(41, seed=11)
+    b_data = torch.randn(77, 3)
+    ra, rb = StreamRing("cpu"), StreamRing("cpu", slots=4)
+    ia, ib = ra.stream(a_data, 5), rb.stream(b_data, 6)
+    got_a, got_b = [], []
+    for _ in range(20):
+        for it, got in ((ia, got_a), (ib, got_b)):
+            mb = next(it, None)
+            if mb is not None:
+                got.append(mb)
+    for j, mb in enumerate(got_a):
+        assert_same(mb, take(a_data, j * 5, j * 5 + 5))
+    assert len(got_a) == 9
+    assert torch.equal(torch.cat(got_b), b_data)
+    assert ra.stats()["micro_batches"] == 9 and rb.stats()["micro_batches"] == 13
+
+
+def test_use_from_non_main_threads():
+    errors = []
+
+    def work(seed):
+        try:
+            data = nested_batch(30 + seed, seed=seed)
+            ring = StreamRing("cpu")
+            for m in (1, 4, 100):
+                check_stream(ring, data, 30 + seed, m)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+
+
+def test_micro_batches_stay_valid_after_advancing():
+    data = torch.arange(200, dtype=torch.float32).reshape(50, 4)
+    ring = StreamRing("cpu", slots=2)
+    kept = []
+    for mb in ring.stream(data, 3):
+        kept.append(mb)  # held while the worker stages (and reuses slots) further
+    kept_copy = [k.clone() for k in kept]
+    for j, mb in enumerate(kept):
+        assert torch.equal(mb, data[j * 3 : j * 3 + 3])
+        assert torch.equal(mb, kept_copy[j])
+    # Distinct storage for every micro-batch: nothing aliases another.
+    ptrs = {k.untyped_storage().data_ptr() for k in kept}
+    assert len(ptrs) == len(kept)
+
+
+def test_autograd_saved_inputs_survive():
+    torch.manual_seed(0)
+    data = torch.randn(20, 5)
+    w = torch.randn(5, 1, requires_grad=True)
+    losses = []
+    for mb in StreamRing("cpu").stream(data, 4):
+        losses.append((mb @ w).pow(2).sum())  # mb saved for backward
+    sum(losses).backward()
+    w2 = w.detach().clone().requires_grad_(True)
+    (data @ w2).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_stats_reset_on_new_stream():
+    ring = StreamRing("cpu")
+    list(ring.stream(torch.zeros(10, 10), 2))
+    assert ring.stats()["micro_batches"] == 5
+    it = ring.stream(torch.zeros(10, 10), 5)
+    assert ring.stats()["micro_batches"] == 0
+    list(it)
+    s = ring.stats()
+    assert isinstance(s, dict)
+    assert s["micro_batches"] == 2 and s["bytes"] == 400
+    assert set(s) >= {"stage_s", "wait_s", "micro_batches", "bytes"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
+        ({"micro_batch_size": -3}, ValueError, "micro_batch_size"),
+        ({"micro_batch_size": True}, TypeError, "micro_batch_size"),
+        ({"micro_batch_size": 2.0}, TypeError, "micro_batch_size"),
+        ({"micro_batch_size": 2, "indices": torch.tensor([0, -1])}, ValueError, "negative index -1"),
+        ({"micro_batch_size": 2, "indices": torch.tensor([0, 10])}, ValueError, "index 10"),
+        ({"micro_batch_size": 2, "indices": torch.tensor([0.0, 1.0])}, TypeError, "indices"),
+        ({"micro_batch_size": 2, "indices": torch.tensor([[0, 1]])}, ValueError, "indices"),
+        ({"micro_batch_size": 2, "indices": [0, 1]}, TypeError, "indices"),
+        ({"micro_batch_size": 2, "indices": torch.tensor([], dtype=torch.int64)}, ValueError, "indices"),
+    ],
+)
+def test_stream_argument_validation(kwargs, exc, match):
+    ring = StreamRing("cpu")
+    with pytest.raises(exc, match=match):
+        ring.stream(torch.zeros(10, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ({"a": 1, "b": "x"}, "at least one tensor"),
+        ((torch.zeros(4), torch.zeros(5)), "dim-0"),
+        (torch.zeros(0, 3), "0 rows"),
+        (torch.tensor(3.0), "0-dim"),
+    ],
+)
+def test_batch_validation(batch, match):
+    with pytest.raises(ValueError, match=match):
+        StreamRing("cpu").stream(batch, 2)
+
+
+def test_ring_validation():
+    with pytest.raises(ValueError, match="slots"):
+        StreamRing("cpu", slots=1)
+    with pytest.raises(TypeError, match="slots"):
+        StreamRing("cpu", slots=2.5)
+    with pytest.raises(TypeError, match="slots"):
+        StreamRing("cpu", slots=True)
+    with pytest.raises(ValueError, match="device"):
+        StreamRing("not-a-device")
+    with pytest.raises(ValueError, match="device"):
+        StreamRing("meta")
+    with pytest.raises(TypeError, match="device"):
+        StreamRing(3.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            StreamRing("cuda")
+
+
+@needs_cuda
+def test_cuda_leaf_rejected():
+    with pytest.raises(ValueError, match="CPU"):
+        StreamRing("cpu").stream(torch.zeros(4, device="cuda"), 2)
+
+
+tensor_specs = st.lists(
+    st.tuples(
+        st.sampled_from([torch.float32, torch.float16, torch.uint8, torch.int64, torch.bool, torch.float64]),
+        st.lists(st.integers(1, 3), max_size=2),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=tensor_specs,
+    n=st.integers(1, 40),
+    m=st.integers(1, 45),
+    layout=st.sampled_from(["tensor", "tuple", "list", "dict", "nested"]),
+    use_indices=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_structures(specs, n, m, layout, use_indices, seed):
+    gen = torch.Generator().manual_seed(seed)
+    leaves = [make_tensor((n, *shape), dtype, gen) for dtype, shape in specs]
+    if layout == "tensor":
+        batch = leaves[0]
+    elif layout == "tuple":
+        batch = tuple(leaves)
+    elif layout == "list":
+        batch = [*leaves, None]
+    elif layout == "dict":
+        batch = {f"k{i}": t for i, t in enumerate(leaves)}
+    else:
+        batch = {"a": (leaves[0], {"b": leaves[1:]}), "c": "const"}
+    ring = StreamRing("cpu")
+    if use_indices:
+        idx = torch.randint(0, n, (int(torch.randint(1, 2 * n + 2, (1,), generator=gen)),), generator=gen)
+        got = list(ring.stream(batch, m, indices=idx))
+        assert len(got) == -(-idx.numel() // m)
+        for j, mb in enumerate(got):
+            assert_same(mb, gather(batch, idx[j * m : (j + 1) * m]))
+    else:
+        check_stream(ring, batch, n, m)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_cuda_correctness(m):
+    data = nested_batch(37, seed=2)
+    ring = StreamRing("cuda")
+    check_stream(ring, data, 37, m, device="cuda")
+    idx = torch.randint(0, 37, (90,))
+    kept = list(ring.stream(data, m, indices=idx))
+    torch.cuda.synchronize()
+    for j, mb in enumerate(kept):  # stay valid after the iterator moved on
+        assert_same(mb, gather(data, idx[j * m : (j + 1) * m]), device="cuda")
+
+
+@needs_cuda
+def test_cuda_on_side_stream_and_early_break():
+    data = torch.randn(100, 8)
+    ring = StreamRing("cuda")
+    side = torch.cuda.Stream()
+    before = os_threads()
+    with torch.cuda.stream(side):
+        got = []
+        for j, mb in enumerate(ring.stream(data, 9)):
+            got.append(mb * 1)
+            if j == 4:
+                break
+    side.synchronize()
+    assert torch.equal(torch.cat(got).cpu(), data[:45])
+    gc.collect()
+    assert os_threads() <= before + 1  # torch may keep one lazily started helper
+
+
+@needs_cuda
+def test_cuda_copy_overlaps_kernel():
+    # Micro-batch i+1 is copied on the ring's copy stream while the current stream
+    # runs a long kernel on micro-batch i; after the kernel, taking micro-batch i+1
+    # adds (almost) no device time.
+    rows, m = 4, 1
+    data = torch.randint(0, 256, (rows, 256 * 1024 * 1024), dtype=torch.uint8)  # 256 MiB rows
+    # Time one plain pinned H2D copy of a row for reference.
+    pinned = data[0].pin_memory()
+    dst = torch.empty_like(pinned, device="cuda")
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    dst.copy_(pinned, non_blocking=True)
+    e1.record()
+    torch.cuda.synchronize()
+    copy_ms = e0.elapsed_time(e1)
+    del dst, pinned
+
+    ring = StreamRing("cuda", slots=2)
+    it = ring.stream(data, m)
+    time.sleep(1.5)  # the worker has staged micro-batches 0 and 1
+    first = next(it)  # also enqueues the copy of micro-batch 1
+    torch.cuda._sleep(int(200e6))  # a long kernel on the current stream (well over copy_ms)
+    after_kernel = torch.cuda.Event(enable_timing=True)
+    after_kernel.record()
+    second = next(it)
+    got_second = torch.cuda.Event(enable_timing=True)
+    got_second.record()
+    torch.cuda.synchronize()
+    extra_ms = after_kernel.elapsed_time(got_second)
+    assert extra_ms < 0.3 * copy_ms, (extra_ms, copy_ms)
+    assert torch.equal(first.cpu(), data[:1]) and torch.equal(second.cpu(), data[1:2])
+    it.close()
+
+
+def test_dropped_buffers_recycled_kept_ones_untouched():
+    # Host memory of dropped micro-batches is reused; micro-batches still referenced
+    # (even as a view) are never written again, across many streams.
+    data = torch.arange(4000, dtype=torch.int64).reshape(1000, 4)
+    ring = StreamRing("cpu")
+    kept = {}
+    for rep in range(5):
+        for j, mb in enumerate(ring.stream(data, 50)):
+            if j % 7 == rep:
+                kept[(rep, j)] = mb[1:]  # a view keeps the storage alive
+    for (_, j), view in kept.items():
+        assert torch.equal(view, data[j * 50 + 1 : j * 50 + 50])
+
+
+def test_micro_batch_can_be_resized_and_mutated():
+    data = torch.arange(30.0).reshape(10, 3)
+    out = []
+    for mb in StreamRing("cpu").stream(data, 4):
+        mb.add_(1)  # user-owned: writing does not disturb the source or later items
+        out.append(mb)
+    assert torch.equal(torch.cat(out), data + 1)
+    big = out[0]
+    big.resize_(100, 3)
+    big.zero_()
+    assert torch.equal(torch.cat(out[1:]), data[4:] + 1)
+    assert torch.equal(data, torch.arange(30.0).reshape(10, 3))
