@@ -24,8 +24,8 @@ from mbs_ext.memory import measure_saved_bytes
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mbs-ext demo", description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=512, help="mini-batch size (rows per optimizer step)")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=256, help="mini-batch size (rows per optimizer step)")
     p.add_argument("--budget-mb", type=float, default=4.0, help="memory budget for activations + inputs, MiB")
     p.add_argument("--micro-batch", default="auto", help="'auto' (plan from the budget) or an int")
     p.add_argument("--lr", type=float, default=2e-3)

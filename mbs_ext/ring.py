@@ -128,6 +128,47 @@ class RingIterator:
             pass
 
 
+class _ViewIterator:
+    """Zero-copy micro-batches: row ranges of a CPU batch for a CPU consumer.
+
+    Nothing needs staging when the batch already lives where the model runs, so a
+    copy would only cost memory bandwidth; see ``StreamRing.stream(copy=False)``.
+    """
+
+    __slots__ = ("_leaves", "_flat", "_tensor_pos", "_spec", "_n", "_m", "_next_start", "_stats", "index", "rows")
+
+    def __init__(self, leaves, flat, tensor_pos, spec, n: int, m: int, stats: dict) -> None:
+        self._leaves, self._flat, self._tensor_pos, self._spec = leaves, flat, tensor_pos, spec
+        self._n, self._m, self._next_start, self._stats = n, m, 0, stats
+        self.index: int = -1
+        self.rows: tuple[int, int] = (0, 0)
+
+    def __iter__(self) -> _ViewIterator:
+        return self
+
+    def __len__(self) -> int:
+        return -(-self._n // self._m)
+
+    def __next__(self):
+        start = self._next_start
+        if start >= self._n:
+            raise StopIteration
+        stop = min(start + self._m, self._n)
+        self._next_start = stop
+        self.index += 1
+        self.rows = (start, stop)
+        flat = list(self._flat)
+        for pos, leaf in zip(self._tensor_pos, self._leaves, strict=True):
+            view = leaf.narrow(0, start, stop - start)
+            flat[pos] = view
+            self._stats["bytes"] += view.nbytes
+        self._stats["micro_batches"] += 1
+        return tree_unflatten(flat, self._spec)
+
+    def close(self) -> None:
+        self._next_start = self._n
+
+
 class StreamRing:
     """Streams a host batch to ``device`` in micro-batches through ``slots`` staging slots.
 
@@ -141,9 +182,10 @@ class StreamRing:
         self.device = _check_device(device)
         self.slots = slots
         self._ring = _C.StreamRing(str(self.device), slots)
+        self._view_stats: dict | None = None
 
     def stream(
-        self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None
+        self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None, copy: bool = True
     ) -> RingIterator:
         """Iterate over ``batch`` in micro-batches of ``micro_batch_size`` rows, on ``device``.
 
@@ -151,6 +193,11 @@ class StreamRing:
         unchanged. With ``indices``, ``batch`` is a host dataset and micro-batch j is
         ``batch[indices[j*m:(j+1)*m]]``, gathered by the worker. A stream still open
         on this ring is closed first.
+
+        ``copy=False`` on a CPU ring without ``indices`` hands out views of ``batch``
+        instead of fresh copies (there is nothing to stage): zero cost, but the views
+        share memory with ``batch``. ``mbs_ext.step`` uses this, as a hand-written
+        accumulation loop over ``batch.split(m)`` would.
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
         flat, spec = tree_flatten(batch)
@@ -177,6 +224,12 @@ class StreamRing:
         if indices is not None:
             indices = _check_indices(indices, n)
         detached = [t.detach() for t in leaves]
+        if not copy and indices is None and self.device.type == "cpu":
+            self._ring.close()
+            self._view_stats = {"stage_s": 0.0, "wait_s": 0.0, "micro_batches": 0, "bytes": 0,
+                                "planned_micro_batches": -(-n // m)}
+            return _ViewIterator(detached, flat, tensor_pos, spec, n, m, self._view_stats)
+        self._view_stats = None
         handle = self._ring.open(detached, m, indices)
         for i in tensor_pos:
             flat[i] = None  # the template keeps only the non-tensor leaves
@@ -187,6 +240,8 @@ class StreamRing:
     def stats(self) -> dict:
         """Totals of the most recent stream: stage_s (worker staging time), wait_s
         (time the consumer waited for data), micro_batches, bytes (bytes staged)."""
+        if self._view_stats is not None:
+            return dict(self._view_stats)
         return dict(self._ring.stats())
 
     def close(self) -> None:

@@ -524,7 +524,8 @@ class _Run:
         denom_fixed = not _norm.needs_count_pass(normalize)
         global_total: float | None = None
         compute_s = 0.0
-        stream = self.ring.stream(self.batch, self.m, indices=self.indices)
+        # A CPU model reads row ranges of the host batch in place: nothing to stage.
+        stream = self.ring.stream(self.batch, self.m, indices=self.indices, copy=self.device.type != "cpu")
         it = iter(stream)
         try:
             for i in range(self.num_mb):

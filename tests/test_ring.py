@@ -519,3 +519,27 @@ def test_micro_batch_can_be_resized_and_mutated():
     big.zero_()
     assert torch.equal(torch.cat(out[1:]), data[4:] + 1)
     assert torch.equal(data, torch.arange(30.0).reshape(10, 3))
+
+
+def test_copy_false_on_cpu_hands_out_views():
+    data = {"x": torch.arange(30.0).reshape(10, 3), "y": torch.arange(10), "tag": "keep"}
+    ring = StreamRing("cpu")
+    it = ring.stream(data, 4, copy=False)
+    got = []
+    for mb in it:
+        assert mb["tag"] == "keep"
+        assert mb["x"].untyped_storage().data_ptr() == data["x"].untyped_storage().data_ptr()
+        got.append((it.index, it.rows, mb))
+    assert [(i, r) for i, r, _ in got] == [(0, (0, 4)), (1, (4, 8)), (2, (8, 10))]
+    assert torch.equal(torch.cat([mb["x"] for *_, mb in got]), data["x"])
+    assert torch.equal(torch.cat([mb["y"] for *_, mb in got]), data["y"])
+    stats = ring.stats()
+    assert stats["micro_batches"] == 3 and stats["bytes"] == 30 * 4 + 10 * 8 and stats["stage_s"] == 0.0
+
+
+def test_copy_false_with_indices_still_gathers():
+    data = torch.arange(20.0).reshape(10, 2)
+    idx = torch.tensor([9, 0, 0, 5])
+    out = list(StreamRing("cpu").stream(data, 3, indices=idx, copy=False))
+    assert torch.equal(torch.cat(out), data[idx])
+    assert all(o.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() for o in out)

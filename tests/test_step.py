@@ -532,8 +532,8 @@ class FailingRing:
     def __init__(self, inner, fail_at):
         self.inner, self.fail_at = inner, fail_at
 
-    def stream(self, batch, m, *, indices=None):
-        for j, mb in enumerate(self.inner.stream(batch, m, indices=indices)):
+    def stream(self, batch, m, *, indices=None, copy=True):
+        for j, mb in enumerate(self.inner.stream(batch, m, indices=indices, copy=copy)):
             if j == self.fail_at:
                 raise OSError("staging failed")
             yield mb
