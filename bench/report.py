@@ -40,8 +40,9 @@ def plot_step(step: dict) -> str | None:
         ]:
             ax.plot(ks, [r[key] for r in mine], style, label=label)
         ax.axhline(mine[0]["full ms"], color="k", lw=1, label="full batch")
-        ax.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="micro-batches k (B=512)", ylabel="ms / step",
-               title=model)
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set(xticks=ks, xticklabels=ks, xlabel="micro-batches k (B=512)", ylabel="ms / step", title=model)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "step.png", dpi=100)
