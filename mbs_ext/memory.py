@@ -63,8 +63,10 @@ def default_budget(device: torch.device, memory_budget: int | None) -> int:
     if memory_budget is not None:
         return int(memory_budget)
     if device.type == "cuda":
+        # Memory the caching allocator holds but does not use is available too.
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_SAFETY_FACTOR)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((free + cached) * CUDA_SAFETY_FACTOR)
     raise ValueError(
         f"micro_batch_size='auto' on {device.type} needs memory_budget (bytes available to the step); "
         "only CUDA devices report their free memory"
@@ -168,9 +170,9 @@ def plan(
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     acc_bytes = 0
-    if accumulate_dtype is not None:
+    if accumulate_dtype is not None:  # separate buffers, one per trainable parameter
         acc_size = torch.empty((), dtype=accumulate_dtype).element_size()
-        acc_bytes = sum(p.numel() * acc_size for p in trainable if p.dtype != accumulate_dtype)
+        acc_bytes = sum(p.numel() * acc_size for p in trainable)
     fixed = intercept + grad_bytes + acc_bytes
     room = memory_budget - fixed
     if room < per_sample:
@@ -189,12 +191,6 @@ def plan(
         num_rows=int(num_rows),
         _saved_intercept=intercept,
     )
-
-
-def signature(batch: Any, memory_budget: int, autocast_dtype: torch.dtype | None) -> tuple:
-    """Cache key of a plan: per-leaf shapes beyond dim 0 and dtypes, the budget, autocast."""
-    leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(batch))
-    return leaves, int(memory_budget), autocast_dtype
 
 
 def plan_micro_batch(

@@ -311,16 +311,18 @@ class MicroBatchStreamer:
             key = ("fixed", leaves)
             m = int(self.micro_batch_size)
         else:
-            device = _first_param_device(self.model)
-            budget = _memory.default_budget(device, self.memory_budget)
-            key = _memory.signature(batch, budget, self.autocast_dtype)
+            # Keyed on the caller's budget, not on a measured free-memory figure that
+            # moves from step to step, so plans and back-off sizes stay remembered.
+            key = ("auto", leaves, self.memory_budget, self.autocast_dtype)
             plan = self._plans.get(key)
             # A plan is capped by the rows of the batch it was made for; a larger batch
             # with the same signature may afford a larger micro-batch, so re-plan then.
             if plan is None or (plan.micro_batch_size >= plan.num_rows and rows > plan.num_rows):
+                budget = _memory.default_budget(_first_param_device(self.model), self.memory_budget)
                 plan = _memory.plan(
                     self.model, batch, loss_call, budget, num_rows=rows, indices=indices,
-                    accumulate_dtype=self.accumulate_dtype, autocast_dtype=self.autocast_dtype,
+                    accumulate_dtype=_accumulation_dtype(self.accumulate_dtype, _trainable(self.model)),
+                    autocast_dtype=self.autocast_dtype,
                 )
                 self._plans[key] = plan
             m = plan.micro_batch_size
@@ -354,12 +356,15 @@ class MicroBatchStreamer:
             try:
                 result = run.execute()
                 break
-            except (torch.OutOfMemoryError, MemoryError) as exc:
+            except BaseException as exc:
                 run.rollback(clear_grads=True)
-                if m == 1 or run.ddp:
-                    exc.add_note(run.where())
-                    if run.ddp and m > 1:
-                        exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
+                # Back off only while nothing irreversible happened: not once the
+                # optimizer started stepping, and never under DDP (ranks would diverge).
+                if not _is_out_of_memory(exc) or m == 1 or run.ddp or run.stepping:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(run.where())
+                        if _is_out_of_memory(exc) and run.ddp and m > 1:
+                            exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
                     raise
                 del exc, run
                 _release_cached_memory(device)
@@ -372,13 +377,25 @@ class MicroBatchStreamer:
                 )
                 self._size_cap[key] = smaller
                 m = smaller
-            except BaseException as exc:
-                run.rollback(clear_grads=True)
-                if hasattr(exc, "add_note"):
-                    exc.add_note(run.where())
-                raise
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
+
+
+_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _HOST_OOM_MESSAGES)
+
+
+def _accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
+    """dtype of separate accumulation buffers, or None when autograd accumulates in .grad."""
+    if requested is None:
+        return torch.float32 if any(p.dtype in _LOW_PRECISION for p in params) else None
+    return None if all(p.dtype == requested for p in params) else requested
 
 
 def _release_cached_memory(device: torch.device) -> None:
@@ -419,6 +436,7 @@ class _Run:
         self.index = -1  # micro-batch being processed; num_mb once all have streamed
         self.unscaled = False
         self.updated = False
+        self.stepping = False  # the optimizer step began: no redo after this
         seen: set[int] = set()
         self.buffer_snapshot = []
         for b in self.model.buffers():
@@ -431,12 +449,7 @@ class _Run:
         self.ddp = isinstance(self.model, DistributedDataParallel)
         self.group = self.model.process_group if self.ddp else None
         self.world = dist.get_world_size(self.group) if self.ddp else 1
-        acc = streamer.accumulate_dtype
-        if acc is None:
-            acc = torch.float32 if any(p.dtype in _LOW_PRECISION for p in params) else None
-        elif all(p.dtype == acc for p in params):
-            acc = None
-        self.acc_dtype = acc
+        self.acc_dtype = _accumulation_dtype(streamer.accumulate_dtype, params)
 
     def where(self) -> str:
         if self.index < 0:
@@ -609,10 +622,13 @@ class _Run:
             scaler.unscale_(opt)
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = None
+        with_grad: list[nn.Parameter] = []
         if s.max_grad_norm is not None:
             with_grad = [p for p in self.params if p.grad is not None]
             if with_grad:
-                norm = torch.nn.utils.clip_grad_norm_(with_grad, s.max_grad_norm)
+                # Norm now, clip only once the step is known to go ahead: a skipped
+                # step leaves the offending gradient in .grad for inspection.
+                norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
             else:
                 norm = torch.zeros((), device=self.device)
             found = (~torch.isfinite(norm)).to(torch.float32).to(self.device)
@@ -645,6 +661,9 @@ class _Run:
         else:
             for layer in self.bn:
                 layer.commit()
+            if norm is not None and with_grad:
+                torch.nn.utils.clip_grads_with_norm_(with_grad, s.max_grad_norm, norm)
+            self.stepping = True
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()

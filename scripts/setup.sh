@@ -2,8 +2,7 @@
 # Sets up .venv with torch and mbs_ext (extension built in place, editable).
 # Idempotent: a second run with unchanged sources does nothing.
 #   MBS_EXT_CUDA=0|1  force a CPU-only build / require the CUDA kernels
-#   MBS_TORCH=...     torch requirement (default torch==2.14.1, the CUDA 13 build;
-#                     torch==2.13.0 is a smaller CPU-only build)
+#   MBS_TORCH=...     torch requirement (default torch==2.14.1, the CUDA 13 build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -12,7 +11,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv; then
+    # Debian/Ubuntu without python3-venv: virtualenv from PyPI does the same job.
+    rm -rf .venv
+    "$PY" -m pip install -q --user virtualenv
+    "$PY" -m virtualenv -q .venv
+  fi
   .venv/bin/python -m pip install -q -U pip setuptools wheel ninja
 fi
 

@@ -184,3 +184,59 @@ def test_out_of_memory_parameters_untouched_until_success():
     for k in before["params"]:
         assert torch.equal(before["params"][k], after["params"][k])
     assert all(p.grad is None for p in model.parameters())
+
+
+class HugeAllocAbove(nn.Module):
+    """Asks torch's CPU allocator for an impossible buffer when a micro-batch is too big:
+    a real allocation failure (a RuntimeError from DefaultCPUAllocator), no mock."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.net = nn.Linear(32, 5).double()
+        self.limit = limit
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            torch.empty(2**62, dtype=torch.uint8)
+        return self.net(x)
+
+
+def test_real_host_allocation_failure_backs_off():
+    torch.manual_seed(0)
+    model = HugeAllocAbove(limit=16)
+    ref = copy.deepcopy(model)
+    ref.limit = 10**9
+    batch = (torch.randn(64, 32, dtype=torch.float64), torch.randint(0, 5, (64,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="out of memory at micro_batch_size=32"):
+        result = mbs_ext.step(model, opt, batch, ce, micro_batch_size=32)
+    assert result.micro_batch_size == 16
+    full_batch_step(ref, ref_opt, batch, ce)
+    assert_models_match(model.net, ref.net, 1e-12)
+
+
+class OOMInStep(torch.optim.SGD):
+    def step(self, closure=None):
+        raise torch.OutOfMemoryError("injected inside optimizer.step")
+
+
+def test_no_redo_once_the_optimizer_started_stepping():
+    model = mlp()
+    opt = OOMInStep(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a back-off would warn
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            mbs_ext.step(model, opt, data((32,)), ce, micro_batch_size=50)
+    assert any("while finishing the step" in n for n in info.value.__notes__)
+
+
+def test_auto_counts_float32_buffers_of_low_precision_parameters():
+    model = mlp().to(torch.bfloat16)
+    batch = (data((32,))[0].to(torch.bfloat16), data((32,))[1])
+    numel = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size="auto", memory_budget=400_000)
+    streamer.step(batch)
+    (plan,) = streamer.plan().values()
+    assert plan.fixed_bytes >= numel * 2 + numel * 4  # bf16 grads + float32 buffers

@@ -176,3 +176,22 @@ def test_interrupted_streams_leave_no_threads():
         with pytest.raises(KeyboardInterrupt):
             mbs_ext.step(model, opt, batch(), loss_fn, micro_batch_size=M)
     assert threads() <= start + 1  # at most the ring's idle worker, never one per stream
+
+
+def test_skipped_step_with_clipping_keeps_the_offending_gradient():
+    model, opt, _ = setup()
+    before = snapshot(model, opt)
+    last = list(model.parameters())[-1]
+
+    def poison(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    handle = last.register_hook(poison)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        result = mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, max_grad_norm=1.0)
+    handle.remove()
+    assert result.skipped
+    assert torch.isinf(last.grad.view(-1)[0]) and torch.isfinite(last.grad.view(-1)[1:]).all()
+    assert_bit_identical(snapshot(model, opt), before)

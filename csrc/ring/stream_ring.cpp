@@ -67,6 +67,10 @@ at::Tensor check_indices(const std::optional<at::Tensor>& indices) {
     TORCH_CHECK_VALUE(false, where, e.what_without_backtrace());
   } catch (const c10::TypeError& e) {
     TORCH_CHECK_TYPE(false, where, e.what_without_backtrace());
+  } catch (const c10::OutOfMemoryError& e) {  // stays an out-of-memory error for step's back-off
+    TORCH_CHECK_WITH(OutOfMemoryError, false, where, e.what_without_backtrace());
+  } catch (const std::bad_alloc& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, where, e.what());
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, where, e.what_without_backtrace());
   } catch (const std::exception& e) {
