@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,3 +46,20 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+def interleaved(runs: dict[str, Callable[[], object]], times: dict[str, list[float]]) -> Callable[[], None]:
+    """One benchmark round: every variant once, in an order that rotates each round, so
+    slow drifts of a shared machine hit all variants alike. Appends to ``times``."""
+    order = list(runs)
+    state = {"round": 0}
+
+    def round_robin() -> None:
+        r = state["round"] % len(order)
+        state["round"] += 1
+        for name in order[r:] + order[:r]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+
+    return round_robin

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import pytest
 import torch
+from _results import interleaved
 from shapes import MODELS
 
 import mbs_ext
@@ -60,15 +60,7 @@ def test_accumulate(benchmark, model, case):
     accs, grads, numel = _make(model, case)
     runs = {method: _runner(method, accs, grads, numel) for method in METHODS}
     times: dict[str, list[float]] = {method: [] for method in METHODS}
-    state = {"round": 0}
-
-    def round_robin():
-        r = state["round"] % len(METHODS)
-        state["round"] += 1
-        for method in METHODS[r:] + METHODS[:r]:
-            start = time.perf_counter()
-            runs[method]()
-            times[method].append(time.perf_counter() - start)
+    round_robin = interleaved(runs, times)
 
     benchmark.group = f"accumulate {model} {case} (one round = every method once)"
     benchmark.extra_info["bytes"] = _bytes[(model, case)]

@@ -36,18 +36,6 @@ TAG = "MBS_MEMORY_RESULT "
 MIB = float(1 << 20)
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Vm"):
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    out[key] = int(parts[0]) * 1024
-    return out
-
-
 def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     import copy
     import gc
@@ -57,7 +45,7 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     from torch import nn
 
     import mbs_ext
-    from mbs_ext.table import _malloc_trim, make_model
+    from mbs_ext.table import _malloc_trim, make_model, proc_status
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -87,7 +75,7 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         method = "VmHWM after clear_refs"
-        base = _status()["VmRSS"]
+        base = proc_status()["VmRSS"]
     except OSError:
         method = "ru_maxrss"
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -98,7 +86,7 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     if method == "ru_maxrss":
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     else:
-        peak = _status()["VmHWM"]
+        peak = proc_status()["VmHWM"]
     return {
         "mode": mode,
         "size": size,

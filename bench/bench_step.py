@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
-import time
 import warnings
 
 import pytest
 import torch
+from _results import interleaved
 from torch import nn
 
 import mbs_ext
@@ -96,23 +96,6 @@ def _mbp(model, opt, loss_fn, x, y, m):
 VARIANTS = {"full": _full, "hand": _hand, "step": _step, "mbp": _mbp}
 
 
-def _interleaved(runs: dict, times: dict):
-    """One round: every variant once, in an order that rotates each round, so slow
-    drifts of a shared machine hit all variants alike."""
-    order = list(runs)
-    state = {"round": 0}
-
-    def round_robin():
-        r = state["round"] % len(order)
-        state["round"] += 1
-        for name in order[r:] + order[:r]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-
-    return round_robin
-
-
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_step_overhead(benchmark, model_name, k):
@@ -127,7 +110,7 @@ def test_step_overhead(benchmark, model_name, k):
     benchmark.group = f"step {model_name} k={k} (one round = every variant once)"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # mbp warns when k=1 leaves nothing to split
-        benchmark.pedantic(_interleaved(runs, times), rounds=ROUNDS, iterations=1, warmup_rounds=2)
+        benchmark.pedantic(interleaved(runs, times), rounds=ROUNDS, iterations=1, warmup_rounds=2)
     for name, samples in times.items():
         median = statistics.median(samples[-ROUNDS:])
         benchmark.extra_info[f"{name}_median_s"] = median
@@ -171,7 +154,7 @@ def test_accumulate_path(benchmark, model_name):
     }
     times = {name: [] for name in runs}
     benchmark.group = f"accumulate path {model_name} k=8 (one round = both paths)"
-    benchmark.pedantic(_interleaved(runs, times), rounds=ROUNDS, iterations=1, warmup_rounds=2)
+    benchmark.pedantic(interleaved(runs, times), rounds=ROUNDS, iterations=1, warmup_rounds=2)
     for name, samples in times.items():
         _medians[("path", model_name, name)] = statistics.median(samples[-ROUNDS:])
 

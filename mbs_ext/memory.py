@@ -48,6 +48,16 @@ class MicroBatchPlan:
     _saved_intercept: int = 0
 
 
+_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
+
+
 def check_memory_budget(memory_budget: Any) -> None:
     if memory_budget is None:
         return

@@ -360,10 +360,10 @@ class MicroBatchStreamer:
                 run.rollback(clear_grads=True)
                 # Back off only while nothing irreversible happened: not once the
                 # optimizer started stepping, and never under DDP (ranks would diverge).
-                if not _is_out_of_memory(exc) or m == 1 or run.ddp or run.stepping:
+                if not _memory.is_out_of_memory(exc) or m == 1 or run.ddp or run.stepping:
                     if hasattr(exc, "add_note"):
                         exc.add_note(run.where())
-                        if _is_out_of_memory(exc) and run.ddp and m > 1:
+                        if _memory.is_out_of_memory(exc) and run.ddp and m > 1:
                             exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
                     raise
                 del exc, run
@@ -379,16 +379,6 @@ class MicroBatchStreamer:
                 m = smaller
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
-
-
-_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory")
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _HOST_OOM_MESSAGES)
 
 
 def _accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:

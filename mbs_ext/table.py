@@ -122,18 +122,6 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def is_alloc_error(exc: BaseException) -> bool:
-    """True for an allocation failure (the capped process ran out of memory)."""
-    import torch
-
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        msg = str(exc).lower()
-        return any(k in msg for k in ("alloc", "out of memory", "not enough memory", "bad_alloc"))
-    return False
-
-
 def _malloc_trim() -> None:
     try:
         import ctypes
@@ -200,6 +188,8 @@ def _child(args: argparse.Namespace) -> int:
     import resource
 
     import torch
+
+    from mbs_ext.memory import is_out_of_memory
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -268,7 +258,7 @@ def _child(args: argparse.Namespace) -> int:
             rec["epoch_s"] = sum(times) / len(times)
             rec["ok"] = True
         except Exception as exc:  # noqa: BLE001 - classified below, anything else re-raised
-            if not is_alloc_error(exc):
+            if not is_out_of_memory(exc):
                 raise
             rec["ok"] = False
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def full_batch_step(model, optimizer, batch, loss_fn, scaler=None, max_grad_norm=None):
@@ -78,3 +80,25 @@ def assert_bit_identical(a: dict, b: dict) -> None:
             assert x == y, where
 
     same(a, b, "state")
+
+
+# --- a token-masked causal-LM-like model ---------------------------------------------------
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+def lm_loss(model, batch):
+    logits = model(batch["ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def token_count(batch):
+    return (batch["labels"] != -100).sum()

@@ -240,3 +240,13 @@ def test_auto_counts_float32_buffers_of_low_precision_parameters():
     streamer.step(batch)
     (plan,) = streamer.plan().values()
     assert plan.fixed_bytes >= numel * 2 + numel * 4  # bf16 grads + float32 buffers
+
+
+def test_is_out_of_memory():
+    from mbs_ext.memory import is_out_of_memory
+
+    assert is_out_of_memory(MemoryError())
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("can't allocate memory"))

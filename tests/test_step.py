@@ -9,7 +9,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bit_identical, assert_models_match, full_batch_step, rel_err, snapshot
+from helpers import (
+    TinyLM,
+    assert_bit_identical,
+    assert_models_match,
+    full_batch_step,
+    lm_loss,
+    rel_err,
+    snapshot,
+    token_count,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -98,24 +107,6 @@ def test_micro_batches_rule_is_wrong_on_uneven_tail():
 
 # --- token-masked causal-LM-like model ---------------------------------------------------------
 
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=11, dim=6):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.out = nn.Linear(dim, vocab)
-
-    def forward(self, ids):
-        return self.out(torch.tanh(self.emb(ids)))
-
-
-def lm_loss(model, batch):
-    logits = model(batch["ids"])
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-
-
-def token_count(batch):
-    return (batch["labels"] != -100).sum()
 
 
 def lm_batch(n, t=7, vocab=11, seed=0, empty_rows=()):

@@ -11,31 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import full_batch_step, rel_err
+from helpers import TinyLM, full_batch_step, lm_loss, rel_err, token_count
 from torch import nn
 
 import mbs_ext
 
 WORLD = 2
 
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=11, dim=6):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.out = nn.Linear(dim, vocab)
-
-    def forward(self, ids):
-        return self.out(torch.tanh(self.emb(ids)))
-
-
-def lm_loss(model, batch):
-    logits = model(batch["ids"])
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-
-
-def token_count(batch):
-    return (batch["labels"] != -100).sum()
 
 
 def mse(model, batch):
@@ -124,7 +106,16 @@ def _free_port():
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    # The free port is only reserved until the socket closes; on a busy machine another
+    # process can take it before rank 0 binds it, so a failed rendezvous gets new ports.
+    for attempt in range(3):
+        try:
+            mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+            break
+        except mp.ProcessRaisedException as exc:
+            network = ("EADDRINUSE", "address already in use", "Connection", "Socket", "Gloo", "timed out", "Timeout")
+            if attempt == 2 or not any(k in str(exc) for k in network):
+                raise
     return {
         name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS
     }

@@ -43,18 +43,6 @@ def test_capped_child_small_full_batch_fits(cal):
     assert res["mbs"]["accuracy"] == pytest.approx(res["full"]["accuracy"], abs=0.01)
 
 
-def test_is_alloc_error():
-    import torch
-
-    assert table.is_alloc_error(MemoryError())
-    assert table.is_alloc_error(
-        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")
-    )
-    assert table.is_alloc_error(torch.OutOfMemoryError("CUDA out of memory"))
-    assert not table.is_alloc_error(RuntimeError("shape mismatch"))
-    assert not table.is_alloc_error(ValueError("allocate"))
-
-
 def test_parse_sizes():
     assert table._parse_sizes("16,32,all", 100) == [16, 32, 100]
     assert table._parse_sizes("512,16,full,16", 100) == [16, 100]
