@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mbs_ext.table import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (16, 64, 256, 1024, 4096)
@@ -100,13 +102,9 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
 
 
 def run_point(mode: str, size: int, micro: int = MICRO, steps: int = STEPS, threads: int = 1) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["MALLOC_ARENA_MAX"] = "2"
-    # Tensors above 128 KiB get their own mapping, returned to the OS when freed: RSS then
-    # follows live memory instead of heap fragmentation, which steadies the peak readings.
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    env["OMP_NUM_THREADS"] = str(threads)
+    # Same child settings as the Table 4 rows: a small malloc arena count, and tensors
+    # above 128 KiB in their own mappings, so RSS follows live memory.
+    env = child_env(threads)
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),

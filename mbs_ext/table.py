@@ -273,7 +273,9 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _child_env(threads: int) -> dict[str, str]:
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of a measuring child: this checkout importable, few malloc arenas, big
+    tensors in their own mappings (freed memory returns to the OS), ``threads`` threads."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -328,7 +330,7 @@ def run_child(
         "--image-size",
         str(image_size),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(threads), timeout=timeout)
     out: dict[str, Any] = {"returncode": proc.returncode, "stderr": proc.stderr[-2000:]}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
