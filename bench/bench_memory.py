@@ -47,14 +47,15 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     from torch import nn
 
     import mbs_ext
-    from mbs_ext.table import _malloc_trim, make_model, proc_status
+    from mbs_ext.data import small_cnn
+    from mbs_ext.table import _malloc_trim, proc_status
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     x = torch.randn(size, 1, 32, 32)
     y = torch.randint(0, 10, (size,))
     loss_fn = nn.CrossEntropyLoss()
-    model = make_model(32)
+    model = small_cnn(32)
 
     def one_step(m, opt, xb, yb, use_mbs):
         if use_mbs:
@@ -165,7 +166,7 @@ def measure(sizes=SIZES, micro: int = MICRO, steps: int = STEPS) -> dict:
         "steps": steps,
         "threads_per_child": threads,
         "method": recs[0]["method"],
-        "model": "mbs_ext.table.make_model(32), Adam, synthetic 1x32x32 inputs",
+        "model": "mbs_ext.data.small_cnn(32), Adam, synthetic 1x32x32 inputs",
         "full_slope_kib_per_sample": slope * 1024,
         "rows": rows,
         "points": recs,

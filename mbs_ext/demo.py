@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(args.budget_mb * 2**20)
     loss_fn = nn.CrossEntropyLoss()
 
-    mbs_model = small_cnn(args.seed).to(device)
+    mbs_model = small_cnn(seed=args.seed).to(device)
     full_model = copy.deepcopy(mbs_model)
     mbs_opt = torch.optim.Adam(mbs_model.parameters(), lr=args.lr)
     full_opt = torch.optim.Adam(full_model.parameters(), lr=args.lr)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _plot(history, out / "demo.png", micro, args.batch_size)
-    (out / "demo.json").write_text(__import__("json").dumps(summary, indent=2) + "\n")
+    (out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return 0
 

@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mbs_ext.data import accuracy, load_digits, small_cnn
+
 RESULT_TAG = "MBS_TABLE_RESULT "
 DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
 CAP_FACTOR = 1.5
@@ -58,44 +60,6 @@ MIB = float(1 << 20)
 
 
 # --------------------------------------------------------------------------- data, model
-
-
-def load_data(seed: int = 0, image_size: int = 32, test_fraction: float = 0.2):
-    """Digits as float tensors ``(x_train, y_train, x_test, y_test)``, images upsampled once."""
-    import torch
-    import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-    x = (x - 0.5) / 0.5
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    idx = list(range(len(y)))
-    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=digits.target)
-    tr_t = torch.tensor(tr)
-    te_t = torch.tensor(te)
-    return x[tr_t].contiguous(), y[tr_t].contiguous(), x[te_t].contiguous(), y[te_t].contiguous()
-
-
-def make_model(image_size: int = 32, num_classes: int = 10):
-    """A small CNN whose activations (about 270 KB a sample at 32x32) dwarf its weights."""
-    from torch import nn
-
-    side = image_size // 4
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * side * side, 64),
-        nn.ReLU(),
-        nn.Linear(64, num_classes),
-    )
 
 
 def make_optimizer(model, batch_size: int, micro_batch_size: int, base_lr: float):
@@ -132,18 +96,6 @@ def _malloc_trim() -> None:
 
 
 # --------------------------------------------------------------------------- training
-
-
-def _evaluate(model, x, y, chunk: int) -> float:
-    import torch
-
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for s in range(0, len(y), chunk):
-            correct += int((model(x[s : s + chunk]).argmax(1) == y[s : s + chunk]).sum())
-    model.train()
-    return correct / len(y)
 
 
 def _train(model, opt, x, y, *, batch_size, micro, mbs, epochs, max_steps, seed) -> list[float]:
@@ -193,9 +145,9 @@ def _child(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    x, y, xt, yt = load_data(args.seed, args.image_size)
+    x, y, xt, yt = load_digits(args.image_size, args.seed)
     size = len(y) if args.size <= 0 else min(args.size, len(y))
-    model = make_model(args.image_size)
+    model = small_cnn(args.image_size)
     init_state = copy.deepcopy(model.state_dict())
 
     # Warm-up on a throwaway copy: kernels, allocator arenas, the streamer, the optimizer.
@@ -224,7 +176,7 @@ def _child(args: argparse.Namespace) -> int:
         max_steps=1,
         seed=args.seed,
     )
-    _evaluate(scratch, xt, yt, args.micro)
+    accuracy(scratch, xt, yt, chunk=args.micro)
     del scratch
     gc.collect()
     _malloc_trim()
@@ -254,7 +206,7 @@ def _child(args: argparse.Namespace) -> int:
                 max_steps=args.max_steps,
                 seed=args.seed,
             )
-            rec["accuracy"] = _evaluate(model, xt, yt, args.micro)
+            rec["accuracy"] = accuracy(model, xt, yt, chunk=args.micro)
             rec["epoch_s"] = sum(times) / len(times)
             rec["ok"] = True
         except Exception as exc:  # noqa: BLE001 - classified below, anything else re-raised
@@ -487,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         args.mode = args.child
         return _child(args)
 
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits as sk_digits
 
-    n_total = len(load_digits().target)
+    n_total = len(sk_digits().target)
     n_test = int(math.ceil(n_total * 0.2))
     n_train = n_total - n_test
     sizes = _parse_sizes(args.sizes, n_train)
