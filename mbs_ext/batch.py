@@ -55,12 +55,12 @@ def check_indices(indices: Any, dataset_rows: int) -> torch.Tensor:
         raise TypeError(f"indices must have an integer dtype (int64), got {indices.dtype}")
     if indices.numel() == 0:
         raise ValueError("indices is empty: the mini-batch would have no rows")
-    indices = indices.to(device="cpu", dtype=torch.int64)
+    indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
     lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0 or hi >= dataset_rows:
-        raise ValueError(
-            f"indices must lie in [0, {dataset_rows}) (the dataset's rows), got values in [{lo}, {hi}]"
-        )
+    if lo < 0:
+        raise ValueError(f"indices must lie in [0, {dataset_rows}) (the dataset's rows), found negative index {lo}")
+    if hi >= dataset_rows:
+        raise ValueError(f"indices must lie in [0, {dataset_rows}) (the dataset's rows), found index {hi}")
     return indices
 
 

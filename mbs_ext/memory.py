@@ -218,12 +218,11 @@ def plan_micro_batch(
     ``loss_fn`` follows :func:`mbs_ext.step`'s convention. On CUDA the budget defaults to
     the free device memory times a safety factor; on CPU it is required.
     """
-    from mbs_ext.step import _loss_caller  # step imports this module
+    from mbs_ext.step import _loss_caller, _trainable  # step imports this module
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+    _trainable(model)  # raises when nothing is trainable
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     rows = _batch.check_batch(batch)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mbs_ext import batch as _batch
 from mbs_ext._native import _C
 
 __all__ = ["StreamRing", "RingIterator"]
@@ -56,19 +57,9 @@ def _check_indices(indices: Any, n: int) -> torch.Tensor:
         raise TypeError(f"indices must be a 1-d int64 tensor or None, got {type(indices).__name__}")
     if indices.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"indices must be a 1-d int64 (or int32) tensor, got dtype {indices.dtype}")
-    if indices.dim() != 1:
-        raise ValueError(f"indices must be a 1-d tensor, got shape {tuple(indices.shape)}")
     if indices.device.type != "cpu":
         raise ValueError(f"indices must be on the CPU, got {indices.device}")
-    if indices.numel() == 0:
-        raise ValueError("indices must not be empty")
-    indices = indices.to(torch.int64).contiguous()
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0:
-        raise ValueError(f"indices must lie in [0, {n}), found negative index {lo}")
-    if hi >= n:
-        raise ValueError(f"indices must lie in [0, {n}), found index {hi}")
-    return indices
+    return _batch.check_indices(indices, n)  # shape, emptiness, range: shared with mbs_ext.step
 
 
 class RingIterator:

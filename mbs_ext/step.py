@@ -509,7 +509,6 @@ class _Run:
         model = self.model
         normalize = s.normalize
         buffered = self.acc_dtype is not None
-        stats0 = self.ring.stats()
         for layer in self.bn:
             layer.begin_mini_batch()
         self._clear_grads()
@@ -580,7 +579,7 @@ class _Run:
         t_step = time.perf_counter()
         if buffered:
             global_loss, global_total = self._finish_buffers(bufs, local_total, loss_sum, denom)
-        return self._finish(global_loss, global_total, stats0, compute_s, t_step)
+        return self._finish(global_loss, global_total, compute_s, t_step)
 
     def _finish_buffers(
         self, bufs: _Buffers, local_total: float, loss_sum: torch.Tensor, denom: float
@@ -602,7 +601,7 @@ class _Run:
         return global_loss, total
 
     def _finish(
-        self, global_loss: float | torch.Tensor, total: float, stats0: dict, compute_s: float, t_step: float
+        self, global_loss: float | torch.Tensor, total: float, compute_s: float, t_step: float
     ) -> StepResult:
         s = self.s
         opt = s.optimizer
@@ -660,8 +659,8 @@ class _Run:
                 self.updated = True
             else:
                 opt.step()
-        stats1 = self.ring.stats()
-        timings = {k: _delta(stats0, stats1, k, self.num_mb) for k in ("stage_s", "wait_s")}
+        stats = self.ring.stats()  # totals of this step's stream
+        timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
         timings["compute_s"] = compute_s
         timings["step_s"] = time.perf_counter() - t_step
         return StepResult(
@@ -676,13 +675,6 @@ class _Run:
 
 
 _END = object()
-
-
-def _delta(before: dict, after: dict, key: str, num_mb: int) -> float:
-    """This step's share of a ring counter, whether the ring's stats are cumulative or per stream."""
-    cumulative = after.get("micro_batches", 0) - before.get("micro_batches", 0) == num_mb
-    value = float(after.get(key, 0.0))
-    return value - float(before.get(key, 0.0)) if cumulative else value
 
 
 _RINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
