@@ -64,6 +64,33 @@ def check_indices(indices: Any, dataset_rows: int) -> torch.Tensor:
     return indices
 
 
+def split_sizes(rows: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the ``ceil(rows / micro_batch_size)`` micro-batches of ``rows`` rows.
+
+    Sizes differ by at most one (the first ``rows % k`` hold one row more), so
+    ``micro_batch_size`` is the largest: no one-row tail that wastes a launch, gives
+    the allocator and kernels an extra shape, or cannot train (BatchNorm on one row).
+    The streaming ring splits by the same rule.
+    """
+    k = -(-rows // micro_batch_size)
+    base, extra = divmod(rows, k)
+    return [base + 1] * extra + [base] * (k - extra)
+
+
+def split_offsets(rows: int, micro_batch_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of the micro-batches of :func:`split_sizes`."""
+    ranges, start = [], 0
+    for size in split_sizes(rows, micro_batch_size):
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def devices(batch: Any) -> set[torch.device]:
+    """The devices the tensor leaves of ``batch`` live on."""
+    return {t.device for t in tensor_leaves(batch)}
+
+
 def narrow(batch: Any, start: int, length: int) -> Any:
     """Rows ``[start, start + length)`` of every tensor leaf (views, no copy)."""
     return pytree.tree_map(

@@ -20,7 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mbs_ext import _checks
 from mbs_ext import batch as _batch
+from mbs_ext import loss as _loss
+from mbs_ext.snapshot import Snapshot
 
 CUDA_SAFETY_FACTOR = 0.8  # share of the free device memory "auto" plans for by default
 
@@ -58,18 +61,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
 
 
-def check_memory_budget(memory_budget: Any) -> None:
-    if memory_budget is None:
-        return
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-        raise TypeError(f"memory_budget must be a number of bytes (int), got {type(memory_budget).__name__}")
-    if not math.isfinite(memory_budget) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-
-
 def default_budget(device: torch.device, memory_budget: int | None) -> int:
     """The budget to plan for: the caller's, or on CUDA the free memory times a safety factor."""
-    check_memory_budget(memory_budget)
+    _checks.check_memory_budget(memory_budget)
     if memory_budget is not None:
         return int(memory_budget)
     if device.type == "cuda":
@@ -86,18 +80,11 @@ def default_budget(device: torch.device, memory_budget: int | None) -> int:
 @contextlib.contextmanager
 def _probing(model: nn.Module, device: torch.device):
     """Restore RNG streams and module buffers after probe forwards (no trace left)."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    snap = Snapshot(model, device)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
+        snap.restore()
 
 
 def measure_saved_bytes(
@@ -125,13 +112,8 @@ def measure_saved_bytes(
             total += storage.nbytes()
         return t
 
-    device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+    device = _checks.model_device(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _loss.autocast(device, autocast_dtype):
         loss = call(model, micro_batch)
     del loss
     return total
@@ -159,7 +141,7 @@ def plan(
     autocast_dtype: torch.dtype | None = None,
 ) -> MicroBatchPlan:
     """Measure two probes and pick the largest micro-batch within ``memory_budget``."""
-    device = next(model.parameters()).device
+    device = _checks.model_device(model)
     small = min(2, num_rows)
     large = min(8, num_rows)
     with _probing(model, device):
@@ -218,23 +200,20 @@ def plan_micro_batch(
     ``loss_fn`` follows :func:`mbs_ext.step`'s convention. On CUDA the budget defaults to
     the free device memory times a safety factor; on CPU it is required.
     """
-    from mbs_ext.step import _loss_caller, _trainable  # step imports this module
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _trainable(model)  # raises when nothing is trainable
+    _checks.check_model(model)
+    _checks.trainable(model)  # raises when nothing is trainable
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     rows = _batch.check_batch(batch)
     if indices is not None:
         indices = _batch.check_indices(indices, rows)
         rows = int(indices.numel())
-    device = next(model.parameters()).device
+    device = _checks.model_device(model)
     budget = default_budget(device, memory_budget)
     return plan(
         model,
         batch,
-        _loss_caller(loss_fn, batch),
+        _loss.loss_caller(loss_fn, batch),
         budget,
         num_rows=rows,
         indices=indices,

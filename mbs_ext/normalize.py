@@ -39,18 +39,37 @@ def needs_count_pass(normalize: Normalize) -> bool:
     return callable(normalize) and not isinstance(normalize, str)
 
 
-def count(normalize: Normalize, micro_batch: Any, rows: int) -> float:
+Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on a device
+
+
+def count(normalize: Normalize, micro_batch: Any, rows: int) -> Count:
     """The count ``c_i`` of one micro-batch of ``rows`` rows.
 
-    A count callable returning a tensor costs one host sync (``.item()``): its value is
-    needed as a Python number to validate it and to weight the loss.
+    A count callable returning a tensor on an accelerator keeps it there: turning it
+    into a Python number would stall the host once per micro-batch. Such counts are
+    validated later, on the device (:func:`invalid_count`), and read in the step's one
+    host sync. Host numbers and CPU tensors are validated at once.
     """
     if normalize == "samples":
         return float(rows)
     if normalize == "micro_batches":
         return 1.0
     value = normalize(micro_batch)
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if value.numel() != 1:
+            raise ValueError(f"normalize count must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        if value.is_complex():
+            raise ValueError(f"normalize count must be a non-negative integer, got dtype {value.dtype}")
+        return value.detach().reshape(()).to(torch.float64)
     return check_count(value)
+
+
+def invalid_count(c: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: whether a device count is not a non-negative integer (no host sync)."""
+    return ~torch.isfinite(c) | (c < 0) | (c != torch.floor(c))
+
+
+INVALID_COUNT_MESSAGE = "normalize count must be a non-negative integer"
 
 
 def check_count(value: Any) -> float:
@@ -74,3 +93,17 @@ def check_total(total: float) -> None:
             "normalize: the counts of the whole mini-batch sum to 0 (no loss items); "
             "the mean loss is undefined"
         )
+
+
+def all_reduce_sum(values: list[Count], device: torch.device, group: Any = None) -> torch.Tensor:
+    """Per-rank totals summed over the DDP ``group`` in one collective, as a float64 vector.
+
+    Stays on ``device`` (no host sync): the caller reads it in the step's one probe.
+    Without a process group it just stacks the values.
+    """
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

@@ -1,0 +1,109 @@
+"""Where gradients add up: in ``.grad`` through autograd, or in float32 buffers.
+
+Autograd accumulates into ``.grad`` by itself when the parameters' dtype is precise
+enough; the weight of a micro-batch is then folded into its loss. For bf16/fp16
+parameters a bf16 ``.grad`` would lose the small contributions of later micro-batches,
+so each micro-batch's gradient is added into a flat float32 buffer by the fused
+``scale_accumulate_`` op (which also flags non-finite gradients on the device, with no
+extra pass and no host sync), and the sum is cast into ``.grad`` once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mbs_ext.ops import scale_accumulate_
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
+    """dtype of separate accumulation buffers, or None when autograd accumulates in ``.grad``."""
+    if requested is None:
+        return torch.float32 if any(p.dtype in LOW_PRECISION for p in params) else None
+    return None if all(p.dtype == requested for p in params) else requested
+
+
+class GradBuffers:
+    """Flat accumulation buffers (one per device) with a view per parameter."""
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.params = params
+        self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        self.flats: list[torch.Tensor] = []
+        self.found_inf: list[torch.Tensor] = []  # one 0-dim float32 flag per device
+        self.got = [False] * len(params)
+        groups: dict[torch.device, list[int]] = {}
+        for j, p in enumerate(params):
+            groups.setdefault(p.device, []).append(j)
+        self.groups = list(groups.values())
+        for js in self.groups:
+            dev = params[js[0]].device
+            flat = torch.zeros(sum(params[j].numel() for j in js), dtype=dtype, device=dev)
+            offset = 0
+            for j in js:
+                n = params[j].numel()
+                self.views[j] = flat.narrow(0, offset, n).view_as(params[j])
+                offset += n
+            self.flats.append(flat)
+            self.found_inf.append(torch.zeros((), dtype=torch.float32, device=dev))
+
+    def add_(self, scale: float | torch.Tensor) -> None:
+        """``buffer += scale * p.grad`` for every parameter with a grad, then drop the grad."""
+        params = self.params
+        for js, flag in zip(self.groups, self.found_inf):
+            have = [j for j in js if params[j].grad is not None]
+            if not have:
+                continue
+            s = scale.to(flag.device) if isinstance(scale, torch.Tensor) else scale
+            scale_accumulate_([self.views[j] for j in have], [params[j].grad for j in have], s, flag)
+            for j in have:
+                self.got[j] = True
+                params[j].grad = None
+
+    def mul_(self, factor: float | torch.Tensor) -> None:
+        for flat in self.flats:
+            flat.mul_(factor.to(flat.device) if isinstance(factor, torch.Tensor) else factor)
+
+    def nonfinite(self, device: torch.device) -> torch.Tensor:
+        """0-dim float32 on ``device``: 1.0 when any accumulated gradient held inf/NaN."""
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in self.found_inf:
+            found = torch.maximum(found, flag.to(device))
+        return found
+
+    def write_grads(self, got_any: list[bool] | list[float]) -> None:
+        """Cast the sums into ``.grad`` (parameters no micro-batch reached keep None)."""
+        for j, p in enumerate(self.params):
+            p.grad = self.views[j].to(p.dtype) if got_any[j] else None
+
+
+def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor on ``device``: 1.0 when any grad holds inf/NaN (no host sync).
+
+    torch's fused check covers every floating dtype except bf16 on CUDA, which falls back
+    to one reduction per tensor (only reached when ``.grad`` itself is bf16).
+    """
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, dtype), gs in groups.items():
+        if not (dtype == torch.bfloat16 and dev.type == "cuda"):
+            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            one = torch.ones(1, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, one)
+            bad = flag.reshape(())
+        else:
+            bad = (~torch.stack([torch.isfinite(g).all() for g in gs]).all()).to(torch.float32)
+        found = torch.maximum(found, bad.to(device))
+    return found
+
+
+def overflow_on_cast(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """1.0 when a finite float32 sum did not fit an fp16 ``.grad`` (fp16's range is small)."""
+    grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float16]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return nonfinite_flag(grads, device)

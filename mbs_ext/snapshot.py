@@ -1,0 +1,41 @@
+"""What a step (or a planner probe) may change before the optimizer steps, taken and restored.
+
+A failed step, an out-of-memory retry and a memory probe must leave no trace: module
+buffers (BatchNorm running statistics, counters) and the RNG streams that dropout
+draws from are copied here first and put back afterwards. Restoring the RNG also
+makes a redone step draw exactly the random numbers the first attempt drew.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Snapshot:
+    """Copies of a model's distinct buffers and of the CPU and device RNG states."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        seen: set[int] = set()
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for b in model.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                self.buffers.append((b, b.detach().clone()))
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @torch.no_grad()
+    def restore_buffers(self) -> None:
+        for live, saved in self.buffers:
+            live.copy_(saved)
+
+    def restore_rng(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+
+    def restore(self) -> None:
+        self.restore_buffers()
+        self.restore_rng()
