@@ -10,7 +10,10 @@ extra pass and no host sync), and the sum is cast into ``.grad`` once at the end
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mbs_ext.ops import scale_accumulate_
@@ -73,10 +76,26 @@ class GradBuffers:
             found = torch.maximum(found, flag.to(device))
         return found
 
-    def write_grads(self, got_any: list[bool] | list[float]) -> None:
-        """Cast the sums into ``.grad`` (parameters no micro-batch reached keep None)."""
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None) -> None:
+        """Rescale the sums, add them up over the DDP ``group``, cast them into ``.grad``.
+
+        Parameters no micro-batch reached (on any rank) keep ``.grad = None``.
+        """
+        self.mul_(factor)
+        if group is not None:
+            for flat in self.flats:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for j, p in enumerate(self.params):
             p.grad = self.views[j].to(p.dtype) if got_any[j] else None
+
+
+def rescale_grads(params: list[nn.Parameter], factor: float | torch.Tensor) -> None:
+    """``p.grad *= factor`` in one fused launch (nothing to do for a host factor of 1)."""
+    if not isinstance(factor, torch.Tensor) and factor == 1.0:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

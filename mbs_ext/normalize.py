@@ -107,3 +107,10 @@ def all_reduce_sum(values: list[Count], device: torch.device, group: Any = None)
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def ratio(numerator: Count, total: Count) -> Count:
+    """``numerator / total`` for rescaling; 1.0 for a zero host total (that step fails later)."""
+    if isinstance(total, torch.Tensor) or isinstance(numerator, torch.Tensor) or total != 0:
+        return numerator / total
+    return 1.0

@@ -17,7 +17,6 @@ a few probes find to fit.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 import weakref
@@ -27,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from mbs_ext import _checks
 from mbs_ext import accumulate as _acc
@@ -35,11 +33,8 @@ from mbs_ext import backoff as _backoff
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext import memory as _memory
-from mbs_ext import normalize as _norm
-from mbs_ext import update as _update
-from mbs_ext.batchnorm import deferred_layers
+from mbs_ext.attempt import Attempt
 from mbs_ext.ring import StreamRing
-from mbs_ext.snapshot import Snapshot
 from mbs_ext.update import StepResult
 
 __all__ = ["MicroBatchStreamer", "StepResult", "step"]
@@ -203,7 +198,7 @@ class MicroBatchStreamer:
         loss_call = _loss.loss_caller(self.loss_fn, batch)
         m, key = self._micro_batch_size(batch, indices, rows, loss_call)
         while True:
-            attempt = _Attempt(self, params, batch, indices, rows, m, device, loss_call)
+            attempt = Attempt(self, params, batch, indices, rows, m, device, loss_call)
             try:
                 result = attempt.run()
                 break
@@ -248,259 +243,12 @@ def _check_batch_device(batch: Any, device: torch.device) -> None:
             )
 
 
-def _annotate(exc: BaseException, attempt: _Attempt, m: int) -> None:
+def _annotate(exc: BaseException, attempt: Attempt, m: int) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(attempt.where())
         if _memory.is_out_of_memory(exc) and attempt.ddp and m > 1:
             exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
 
-
-class _Attempt:
-    """One attempt of the back-off loop: streams every micro-batch, then updates once.
-
-    It records how far it got, so that rollback knows what to undo and an error can
-    say where it happened.
-    """
-
-    def __init__(
-        self,
-        streamer: MicroBatchStreamer,
-        params: list[nn.Parameter],
-        batch: Any,
-        indices: torch.Tensor | None,
-        rows: int,
-        m: int,
-        device: torch.device,
-        loss_call: Callable,
-    ) -> None:
-        self.s = streamer
-        self.model = streamer.model
-        self.params = params
-        self.batch = batch
-        self.indices = indices
-        self.rows = rows
-        self.m = m
-        self.ranges = _batch.split_offsets(rows, m)
-        self.num_mb = len(self.ranges)
-        self.device = device
-        self.loss_call = loss_call
-        self.index = -1  # micro-batch being processed; num_mb once all have streamed
-        self.unscaled = False
-        self.updated = False
-        self.stepping = False  # the optimizer step began: no redo after this
-        self.snapshot = Snapshot(self.model, device)
-        scaler = streamer.scaler
-        self.scaler_state = scaler.state_dict() if scaler is not None else None
-        self.bn = deferred_layers(self.model)
-        self.ddp = isinstance(self.model, DistributedDataParallel)
-        self.group = self.model.process_group if self.ddp else None
-        self.world = torch.distributed.get_world_size(self.group) if self.ddp else 1
-        self.acc_dtype = _acc.accumulation_dtype(streamer.accumulate_dtype, params)
-        self.bufs = _acc.GradBuffers(params, self.acc_dtype) if self.acc_dtype is not None else None
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.local_total: _norm.Count = 0.0
-        self.bad_count: torch.Tensor | None = None  # device counts are validated on the device
-        self.compute_s = 0.0
-
-    def where(self) -> str:
-        if self.index < 0:
-            return "mbs_ext.step: failed before the first micro-batch"
-        if self.index >= self.num_mb:
-            return f"mbs_ext.step: failed after all {self.num_mb} micro-batches, while finishing the step"
-        start, stop = self.ranges[self.index]
-        of = "indices" if self.indices is not None else "the mini-batch"
-        return (
-            f"mbs_ext.step: failed at micro-batch {self.index} of {self.num_mb} "
-            f"(rows [{start}, {stop}) of {of})"
-        )
-
-    def _clear_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.s.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def rollback(self, clear_grads: bool, restore_scaler: bool = True) -> None:
-        """Undo every change made before the optimizer step (RNG too: a redo draws the same)."""
-        for layer in self.bn:
-            layer.discard()
-        self.snapshot.restore()
-        if clear_grads:
-            self._clear_grads()
-        scaler = self.s.scaler
-        if restore_scaler and scaler is not None and self.scaler_state is not None:
-            if self.unscaled and not self.updated:
-                with contextlib.suppress(Exception):
-                    scaler.update()  # drops the per-optimizer unscale record
-            scaler.load_state_dict(self.scaler_state)
-
-    def run(self) -> StepResult:
-        for layer in self.bn:
-            layer.begin_mini_batch()
-        self._clear_grads()
-        ring = self.s.state.ring_for(self.device)
-        # A CPU model reads row ranges of the host batch in place: nothing to stage.
-        it = iter(ring.stream(self.batch, self.m, indices=self.indices, copy=self.device.type != "cpu"))
-        # Provisional denominator: exact when known ahead, otherwise fixed by the first
-        # count; the gradient accumulated so far is rescaled once the total is known.
-        denom: _norm.Count | None = None
-        if not _norm.needs_count_pass(self.s.normalize):
-            denom = float(self.rows) if self.s.normalize == "samples" else float(self.num_mb)
-        try:
-            for i in range(self.num_mb):
-                self.index = i
-                mb = next(it, _END)
-                if mb is _END:
-                    raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
-                t0 = time.perf_counter()
-                c = self._count(mb)
-                if denom is None:
-                    denom = _provisional(c, self.num_mb)
-                self._micro_batch(mb, c, denom, last=i == self.num_mb - 1)
-                self.compute_s += time.perf_counter() - t0
-            self.index = self.num_mb
-            if next(it, _END) is not _END:
-                raise RuntimeError(f"the ring yielded more than the expected {self.num_mb} micro-batches")
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None and self.index < self.num_mb:
-                close()
-        return self._finish(denom, ring)
-
-    def _count(self, mb: Any) -> _norm.Count:
-        rows_i = _batch.tensor_leaves(mb)[0].shape[0]
-        c = _norm.count(self.s.normalize, mb, rows_i)
-        if isinstance(c, torch.Tensor):
-            c = c.to(self.device)
-            bad = _norm.invalid_count(c)
-            self.bad_count = bad if self.bad_count is None else self.bad_count | bad
-        self.local_total = self.local_total + c
-        return c
-
-    def _micro_batch(self, mb: Any, c: _norm.Count, denom: _norm.Count, last: bool) -> None:
-        """Forward, loss and backward of one micro-batch of count ``c``."""
-        buffered = self.bufs is not None
-        syncing = self.ddp and last and not buffered
-        host_zero = not isinstance(c, torch.Tensor) and c == 0
-        if host_zero and not syncing:  # zero items: nothing to learn, skip the forward
-            if last and not buffered:
-                self._settle(denom)
-            return
-        with self.model.no_sync() if self.ddp and not syncing else contextlib.nullcontext():
-            with _loss.autocast(self.device, self.s.autocast_dtype):
-                loss = self.loss_call(self.model, mb)
-            _loss.check_loss(loss, self.device)
-            if loss.dtype in _acc.LOW_PRECISION:
-                loss = loss.float()
-            self._add_loss(loss.detach(), c)
-            if last and not buffered:
-                # Exact normalization is needed now, before the (syncing) last backward.
-                weight = c * self.world / self._settle(denom)
-            else:
-                weight = c / denom
-            if host_zero:
-                # Zero items: DDP still needs its one syncing backward; zero gradients
-                # reach every parameter.
-                torch.autograd.backward([p.reshape(-1)[:1].sum() * 0.0 for p in self.params])
-                return
-            self._backward(loss, weight, buffered)
-        if buffered:
-            self.bufs.add_(weight)
-
-    def _add_loss(self, loss: torch.Tensor, c: _norm.Count) -> None:
-        if isinstance(c, torch.Tensor):
-            # A zero-count micro-batch's mean loss may be NaN (0/0): select, don't multiply.
-            self.loss_sum += torch.where(c > 0, loss.double() * c, torch.zeros_like(c))
-        elif c != 0:
-            self.loss_sum += loss.double() * c
-
-    def _backward(self, loss: torch.Tensor, weight: _norm.Count, buffered: bool) -> None:
-        if not buffered:
-            loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)
-        if self.s.scaler is not None:
-            loss = self.s.scaler.scale(loss)
-        loss.backward()
-
-    def _settle(self, denom: _norm.Count) -> _norm.Count:
-        """The global total; rescales the gradient accumulated so far to it (no host sync)."""
-        total: _norm.Count = self.local_total
-        if self.ddp:
-            totals = _norm.all_reduce_sum([self.local_total, self.loss_sum], self.device, self.group)
-            total, self.loss_sum = totals[0], totals[1]
-        factor = denom * self.world / total if isinstance(total, torch.Tensor) or total != 0 else 1.0
-        if self.index > 0 and (isinstance(factor, torch.Tensor) or factor != 1.0):
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor)
-        self.global_total = total
-        return total
-
-    def _finish_buffers(self, denom: _norm.Count) -> None:
-        """Rescale, all-reduce (DDP) and cast the float buffers into ``.grad``."""
-        bufs = self.bufs
-        got_any: list = bufs.got
-        total: _norm.Count = self.local_total
-        if self.ddp:
-            values = _norm.all_reduce_sum([self.local_total, self.loss_sum, *map(float, bufs.got)],
-                                          self.device, self.group)
-            total, self.loss_sum = values[0], values[1]
-            got_any = [v > 0 for v in values[2:].tolist()]  # which .grad exist must be known on the host
-        # The buffers are summed over ranks below, so no world-size factor here.
-        bufs.mul_(denom / total if isinstance(total, torch.Tensor) or total != 0 else 1.0)
-        if self.ddp:
-            for flat in bufs.flats:
-                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self.group)
-        bufs.write_grads(got_any)
-        self.global_total = total
-
-    def _finish(self, denom: _norm.Count, ring: Any) -> StepResult:
-        t_step = time.perf_counter()
-        s = self.s
-        if self.bufs is not None:
-            self._finish_buffers(denom)
-            found = torch.maximum(self.bufs.nonfinite(self.device), _acc.overflow_on_cast(self.params, self.device))
-        if s.scaler is not None:
-            self.unscaled = True
-            s.scaler.unscale_(s.optimizer)
-        if self.bufs is None:
-            found = (
-                torch.zeros((), dtype=torch.float32, device=self.device)
-                if s.max_grad_norm is not None  # the norm check covers it
-                else _acc.nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)
-            )
-        outcome, norm = _update.probe(
-            self.params, self.device, self.loss_sum, self.global_total, found, self.bad_count, s.max_grad_norm
-        )
-        skipped = _update.should_skip(outcome, s.scaler, s.on_nonfinite)
-        if skipped:
-            if s.scaler is not None:
-                s.scaler.update()  # backs off when the gradients overflowed
-                self.updated = True
-            self.rollback(clear_grads=False, restore_scaler=False)
-        else:
-            for layer in self.bn:
-                layer.commit()
-            self.stepping = True
-            _update.apply(self.params, s.optimizer, s.scaler, s.max_grad_norm, norm)
-            self.updated = s.scaler is not None
-        stats = ring.stats()  # totals of this step's stream
-        timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
-        timings["compute_s"] = self.compute_s
-        timings["step_s"] = time.perf_counter() - t_step
-        return StepResult(
-            loss=outcome.loss, num_micro_batches=self.num_mb, micro_batch_size=self.m, num_samples=self.rows,
-            skipped=skipped, grad_norm=outcome.grad_norm, timings=timings,
-        )
-
-
-def _provisional(c: _norm.Count, num_mb: int) -> _norm.Count:
-    """A denominator of the right magnitude before the total is known: first count times M."""
-    if isinstance(c, torch.Tensor):
-        return c.clamp(min=1.0) * num_mb
-    return max(c, 1.0) * num_mb
-
-
-_END = object()
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

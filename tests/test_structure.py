@@ -1,0 +1,87 @@
+"""The package's module graph has no import cycle, and the core never reaches into the apps.
+
+Read statically from the sources (module-level and function-level ``import``s alike),
+so a cycle hidden behind a lazy import inside a function is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mbs_ext"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The mbs_ext modules ``path`` imports (``from mbs_ext import x`` counts as mbs_ext.x)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in modules:
+                found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = [p for p in PACKAGE.rglob("*.py")]
+    modules = {_module_name(p) for p in paths}
+    # The package facade imports everything; it is the root, not part of a cycle.
+    return {_module_name(p): _imports(p, modules) - {"mbs_ext"} for p in paths}
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_core_does_not_import_apps_or_step_from_planner():
+    graph = _graph()
+    for module, deps in graph.items():
+        if ".apps" not in module and module not in ("mbs_ext", "mbs_ext.__main__"):
+            assert not any(".apps" in d for d in deps), f"{module} imports the apps: {deps}"
+    assert "mbs_ext.step" not in graph["mbs_ext.memory"]
+
+
+def test_every_module_imports_alone():
+    graph = _graph()
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    for m in [k for k in sys.modules if k == 'mbs_ext' or k.startswith('mbs_ext.')]:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+    )
+    modules = sorted(m for m in graph if m != "mbs_ext.__main__")
+    subprocess.run([sys.executable, "-c", code, *modules], check=True, cwd=PACKAGE.parent)
