@@ -45,17 +45,18 @@ Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on a de
 def count(normalize: Normalize, micro_batch: Any, rows: int) -> Count:
     """The count ``c_i`` of one micro-batch of ``rows`` rows.
 
-    A count callable returning a tensor on an accelerator keeps it there: turning it
-    into a Python number would stall the host once per micro-batch. Such counts are
-    validated later, on the device (:func:`invalid_count`), and read in the step's one
-    host sync. Host numbers and CPU tensors are validated at once.
+    A count callable returning a tensor keeps it a tensor: on an accelerator, turning
+    it into a Python number would stall the host once per micro-batch. Tensor counts
+    are validated later, on their device (:func:`invalid_count`), and read in the
+    step's one host sync; CPU tensors take the same path, so it is tested everywhere.
+    Python numbers are validated at once.
     """
     if normalize == "samples":
         return float(rows)
     if normalize == "micro_batches":
         return 1.0
     value = normalize(micro_batch)
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+    if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"normalize count must be a scalar, got a tensor of shape {tuple(value.shape)}")
         if value.is_complex():
