@@ -1,0 +1,249 @@
+"""GPU step overhead and host syncs: mbs_ext.step vs a full-batch step and a hand-written loop.
+
+Workloads (issue "a GPU step with no per-micro-batch host sync"):
+
+* ResNet-50 fp32 (TF32) and bf16 autocast, B=256 split into m=64 (torchvision needed);
+* a GPT-2-small-sized causal LM in plain torch (12 layers, d=768, vocab 50257) under
+  bf16 autocast, B=32, T=512, m=8, loss averaged over non-ignored tokens: ``step`` with
+  a token-count callable (the count stays on the device) and with ``"samples"``, against
+  a hand loop that counts tokens on the host before streaming.
+
+Every variant runs interleaved with the others, each step timed between two
+``torch.cuda.synchronize()``, after warm-up; medians over rounds. Host syncs per step
+are counted with ``torch.cuda.set_sync_debug_mode("warn")`` at 4 and 32 micro-batches.
+Results: JSON + Markdown in ``$MBS_BENCH_OUT`` (default ``bench/results/gpu/``).
+Skipped without a GPU.
+
+    python -m pytest bench/bench_step_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mbs_ext
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+OUT = Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results" / "gpu"))
+ROUNDS = int(os.environ.get("MBS_BENCH_ROUNDS", "7"))
+WARMUP = 2
+IGNORE = -100
+
+
+class CausalLM(nn.Module):
+    """A GPT-2-small-sized decoder (pre-norm, learned positions, tied embeddings)."""
+
+    def __init__(self, vocab: int = 50257, d: int = 768, layers: int = 12, heads: int = 12, T: int = 512):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(T, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        h = self.tok(ids) + self.pos(torch.arange(T, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=ids.device)
+        h = self.blocks(h, mask=mask, is_causal=True)
+        return self.norm(h) @ self.tok.weight.t()
+
+
+def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    logits = model(batch["ids"])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE)
+
+
+def token_count(batch: dict) -> torch.Tensor:
+    return (batch["labels"] != IGNORE).sum()
+
+
+def lm_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    labels = ids.roll(-1, 1).clone()
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)  # ragged documents: padding ignored
+    labels[torch.arange(T)[None, :] >= lengths[:, None]] = IGNORE
+    return {"ids": ids, "labels": labels}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleave(variants: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median seconds per variant, variants alternating within every round."""
+    for fn in variants.values():
+        for _ in range(WARMUP):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(ROUNDS):
+        for name, fn in variants.items():
+            samples[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def full_batch(model, opt, batch, loss_call, autocast_dtype):
+    gpu = {k: v.cuda() for k, v in batch.items()} if isinstance(batch, dict) else [t.cuda() for t in batch]
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = loss_call(model, gpu)
+        loss.backward()
+        opt.step()
+    return run
+
+
+def hand_loop(model, opt, batch, loss_call, m, autocast_dtype, counts: list[float] | None):
+    """The usual accumulation loop, weights from host counts (no sync), pinned copies."""
+    pinned = {k: v.pin_memory() for k, v in batch.items()} if isinstance(batch, dict) else [
+        t.pin_memory() for t in batch]
+    n = next(iter(pinned.values()) if isinstance(pinned, dict) else iter(pinned)).shape[0]
+    total = sum(counts) if counts is not None else n
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        for i, start in enumerate(range(0, n, m)):
+            if isinstance(pinned, dict):
+                mb = {k: v[start:start + m].cuda(non_blocking=True) for k, v in pinned.items()}
+            else:
+                mb = [t[start:start + m].cuda(non_blocking=True) for t in pinned]
+            weight = (counts[i] if counts is not None else min(m, n - start)) / total
+            with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = loss_call(model, mb)
+            (loss * weight).backward()
+        opt.step()
+    return run
+
+
+def write(study: str, rows: list[dict], extra: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": ROUNDS}
+    (OUT / f"{study}.json").write_text(json.dumps({"study": study, **meta, **extra, "rows": rows}, indent=2) + "\n")
+    cols = list(rows[0]) if rows else []
+    lines = [f"# {study}", "", f"{meta['gpu']}, torch {meta['torch']}, medians of {ROUNDS} interleaved rounds", ""]
+    if cols:
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
+                  for r in rows]
+    (OUT / f"{study}.md").write_text("\n".join(lines) + "\n")
+
+
+def _resnet_rows() -> list[dict]:
+    if importlib.util.find_spec("torchvision") is None:
+        return []
+    import torchvision
+
+    rows = []
+    B, m = 256, 64
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        ce = nn.CrossEntropyLoss()
+
+        def call(mod, mb, ce=ce):
+            return ce(mod(mb[0]), mb[1])
+
+        streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m, autocast_dtype=dtype)
+        med = interleave({
+            "full": full_batch(model, opt, batch, call, dtype),
+            "hand": hand_loop(model, opt, batch, call, m, dtype, None),
+            "step": lambda streamer=streamer: streamer.step(batch),
+        })
+        rows.append({"workload": f"resnet50 {'bf16' if dtype else 'fp32/tf32'} B={B} m={m}",
+                     "full_ms": med["full"] * 1e3, "hand_ms": med["hand"] * 1e3, "step_ms": med["step"] * 1e3,
+                     "step/hand": med["step"] / med["hand"], "step/full": med["step"] / med["full"]})
+    return rows
+
+
+def _lm_rows() -> list[dict]:
+    B, T, m, vocab = 32, 512, 8, 50257
+    batch = lm_batch(B, T, vocab)
+    counts = [float((batch["labels"][s:s + m] != IGNORE).sum()) for s in range(0, B, m)]
+    torch.manual_seed(0)
+    model = CausalLM(vocab=vocab, T=T).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    bf16 = torch.bfloat16
+    tokens = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=token_count,
+                                        autocast_dtype=bf16)
+    samples = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, autocast_dtype=bf16)
+    med = interleave({
+        "full": full_batch(model, opt, batch, lm_loss, bf16),
+        "hand": hand_loop(model, opt, batch, lm_loss, m, bf16, counts),
+        "step_tokens": lambda: tokens.step(batch),
+        "step_samples": lambda: samples.step(batch),
+    })
+    return [{"workload": f"gpt2-small bf16 B={B} T={T} m={m}", "full_ms": med["full"] * 1e3,
+             "hand_ms": med["hand"] * 1e3, "step_ms": med["step_tokens"] * 1e3,
+             "step/hand": med["step_tokens"] / med["hand"], "step/full": med["step_tokens"] / med["full"],
+             "samples_step_ms": med["step_samples"] * 1e3}]
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """Host synchronizations ``fn`` performs, as torch's sync debug mode reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _sync_rows() -> list[dict]:
+    B, T, vocab = 64, 32, 1000
+    batch = lm_batch(B, T, vocab)
+    rows = []
+    for normalize in ("samples", "tokens"):
+        for k in (4, 32):
+            torch.manual_seed(0)
+            model = CausalLM(vocab=vocab, d=64, layers=2, heads=2, T=T).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            rule = token_count if normalize == "tokens" else "samples"
+            streamer = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=B // k, normalize=rule)
+            streamer.step(batch)  # warm: ring and buffers exist
+            rows.append({"normalize": normalize, "micro_batches": k, "syncs_per_step": count_syncs(
+                lambda streamer=streamer: streamer.step(batch))})
+    return rows
+
+
+def test_gpu_step_overhead() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    rows = _resnet_rows() + _lm_rows()
+    syncs = _sync_rows()
+    write("step_gpu", rows, {"syncs": syncs})
+    write("step_gpu_syncs", syncs, {})
+    for r in rows + syncs:
+        print(r)
+    by = {(r["normalize"], r["micro_batches"]): r["syncs_per_step"] for r in syncs}
+    # What the study exists to show: syncs do not grow with the number of micro-batches.
+    assert by[("tokens", 32)] == by[("tokens", 4)] and by[("samples", 32)] == by[("samples", 4)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-s"]))
