@@ -117,3 +117,14 @@ def model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     raise ValueError("model has no parameters, so it has no device to stream micro-batches to")
+
+
+def check_scaler_params(scaler: Any, params: list[nn.Parameter], device: torch.device) -> None:
+    """torch's GradScaler cannot unscale bf16 gradients on CUDA: say so before the step starts."""
+    if scaler is None or device.type != "cuda":
+        return
+    if any(p.dtype == torch.bfloat16 for p in params):
+        raise ValueError(
+            "scaler: torch.amp.GradScaler cannot unscale bf16 gradients on CUDA, and bf16 parameters need "
+            "no loss scaling (bf16 has float32's exponent range); pass scaler=None"
+        )

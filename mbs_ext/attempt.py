@@ -22,7 +22,7 @@ from mbs_ext import loss as _loss
 from mbs_ext import normalize as _norm
 from mbs_ext import update as _update
 from mbs_ext.batchnorm import deferred_layers
-from mbs_ext.snapshot import Snapshot
+from mbs_ext.snapshot import ScalerSnapshot, Snapshot
 from mbs_ext.update import StepResult
 
 
@@ -61,7 +61,7 @@ class Attempt:
         self.stepping = False  # the optimizer step began: no redo after this
         self.snapshot = Snapshot(self.model, device)
         scaler = streamer.scaler
-        self.scaler_state = scaler.state_dict() if scaler is not None else None
+        self.scaler_state = ScalerSnapshot(scaler) if scaler is not None else None
         self.bn = deferred_layers(self.model)
         self.ddp = isinstance(self.model, DistributedDataParallel)
         self.group = self.model.process_group if self.ddp else None
@@ -103,7 +103,7 @@ class Attempt:
             if self.unscaled and not self.updated:
                 with contextlib.suppress(Exception):
                     scaler.update()  # drops the per-optimizer unscale record
-            scaler.load_state_dict(self.scaler_state)
+            self.scaler_state.restore()
 
     def run(self) -> StepResult:
         for layer in self.bn:

@@ -39,3 +39,32 @@ class Snapshot:
     def restore(self) -> None:
         self.restore_buffers()
         self.restore_rng()
+
+
+class ScalerSnapshot:
+    """A GradScaler's state, copied without a host sync where possible.
+
+    ``GradScaler.state_dict()`` reads the scale and growth tracker with ``.item()``: two
+    host syncs per step just to be able to roll back. Once the scaler has created its
+    device tensors, cloning them on the device keeps the same information.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        scale = getattr(scaler, "_scale", None)
+        tracker = getattr(scaler, "_growth_tracker", None)
+        if isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor):
+            self.tensors: tuple[torch.Tensor, torch.Tensor] | None = (scale.clone(), tracker.clone())
+            self.state: dict | None = None
+        else:
+            self.tensors, self.state = None, scaler.state_dict()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        scaler = self.scaler
+        if self.tensors is not None:
+            # update() may have replaced the tensors or left them in place: set both ways.
+            scaler._scale = self.tensors[0].clone()
+            scaler._growth_tracker = self.tensors[1].clone()
+        else:
+            scaler.load_state_dict(self.state)

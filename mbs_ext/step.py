@@ -195,6 +195,7 @@ class MicroBatchStreamer:
             rows = indices.numel()
         device = _checks.model_device(self.model)
         _check_batch_device(batch, device)
+        _checks.check_scaler_params(self.scaler, params, device)
         loss_call = _loss.loss_caller(self.loss_fn, batch)
         m, key = self._micro_batch_size(batch, indices, rows, loss_call)
         while True:
