@@ -4,8 +4,8 @@
 // on the device: no host synchronization, no host staging memory, capturable in a
 // CUDA graph. Runs on the current stream.
 //
-// Memory access: each thread moves 16 elements per loop step as independent 16-byte
-// vector loads of both operands (4 fp32, 8 bf16/fp16 or 2 fp64 lanes per 16 bytes;
+// Memory access: each thread moves up to 16 elements per loop step as independent
+// 16-byte vector loads of both operands (4 fp32, 8 bf16/fp16 or 2 fp64 lanes per 16 bytes;
 // the narrower dtype sets the lane count, the wider one takes several 16-byte loads),
 // issued before any arithmetic so that they are all in flight together. The vector
 // path runs from the first element at which both tensors are 16-byte aligned; the
@@ -74,11 +74,13 @@ template <typename A, typename G> struct ScaleAccumulateOp {
   using C = std::conditional_t<std::is_same_v<A, double>, double, float>;
 
   static constexpr int kThreads = 512;
-  static constexpr int kElemsPerThread = 16;  // per loop step, all loads issued first
   static constexpr int kLanes = 16 / static_cast<int>(sizeof(A) < sizeof(G) ? sizeof(A) : sizeof(G));
-  static constexpr int kVecsPerThread = kElemsPerThread / kLanes;
-  static constexpr int64_t kChunk = 65536;  // elements per block
-  static_assert(kVecsPerThread >= 1 && kElemsPerThread % kLanes == 0, "lanes must divide a thread's step");
+  // Vectors per thread per loop step, all loaded before any is used: 4 x 16 bytes
+  // of the narrower operand (16 elements; 8 for fp64/fp64), as many of the wider.
+  static constexpr int kVecsPerThread = kLanes >= 4 ? 16 / kLanes : 4;
+  static constexpr int kScalarsPerThread = 8;  // same idea on the scalar path
+  static constexpr int64_t kChunk = 65536;     // elements per block
+  static_assert(kVecsPerThread >= 1, "at least one vector per thread");
   static_assert(kChunk % kLanes == 0, "chunks must start on a vector boundary");
   static_assert(16 % sizeof(A) == 0 && 16 % sizeof(G) == 0, "element sizes must divide 16");
 
@@ -117,41 +119,49 @@ template <typename A, typename G> struct ScaleAccumulateOp {
     return (hg % ma == ha) ? hg : -1;
   }
 
-  // Elements [lo, hi) one at a time, kElemsPerThread per thread per step.
-  __device__ __forceinline__ static void scalar_range(A* __restrict__ acc, const G* __restrict__ grad, int64_t lo,
-                                                      int64_t hi, C s, bool& bad) {
-    for (int64_t base = lo; base < hi; base += int64_t{kThreads} * kElemsPerThread) {
-      A a[kElemsPerThread];
-      G g[kElemsPerThread];
+  // Elements [0, n) of acc/grad one at a time, kScalarsPerThread independent
+  // loads of each operand per thread per step. n <= kChunk, so offsets fit an int.
+  __device__ __forceinline__ static void scalar_range(A* __restrict__ acc, const G* __restrict__ grad, int n, C s,
+                                                      bool& bad) {
+    for (int base = 0; base < n; base += kThreads * kScalarsPerThread) {
+      A a[kScalarsPerThread];
+      G g[kScalarsPerThread];
 #pragma unroll
-      for (int k = 0; k < kElemsPerThread; ++k) {
-        const int64_t i = base + threadIdx.x + int64_t{k} * kThreads;
-        if (i < hi) {
+      for (int k = 0; k < kScalarsPerThread; ++k) {
+        const int i = base + static_cast<int>(threadIdx.x) + k * kThreads;
+        if (i < n) {
           a[k] = acc[i];
           g[k] = grad[i];
         }
       }
 #pragma unroll
-      for (int k = 0; k < kElemsPerThread; ++k) {
-        const int64_t i = base + threadIdx.x + int64_t{k} * kThreads;
-        if (i < hi) acc[i] = update(a[k], g[k], s, bad);
+      for (int k = 0; k < kScalarsPerThread; ++k) {
+        const int i = base + static_cast<int>(threadIdx.x) + k * kThreads;
+        if (i < n) acc[i] = update(a[k], g[k], s, bad);
       }
     }
   }
 
-  // Vectors of kLanes elements from acc/grad, both 16-byte aligned; n_vec vectors.
-  __device__ __forceinline__ static void vector_range(A* __restrict__ acc, const G* __restrict__ grad, int64_t n_vec,
-                                                      C s, bool& bad) {
+  // The few (< kLanes) elements [0, n) before or after the vectors.
+  __device__ __forceinline__ static void scalar_few(A* acc, const G* grad, int n, C s, bool& bad) {
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < n) acc[i] = update(acc[i], grad[i], s, bad);
+  }
+
+  // n_vec vectors of kLanes elements from acc/grad, both 16-byte aligned;
+  // n_vec <= kChunk / kLanes.
+  __device__ __forceinline__ static void vector_range(A* __restrict__ acc, const G* __restrict__ grad, int n_vec, C s,
+                                                      bool& bad) {
     using VA = Vec<A, kLanes>;
     using VG = Vec<G, kLanes>;
     VA* __restrict__ av = reinterpret_cast<VA*>(acc);
     const VG* __restrict__ gv = reinterpret_cast<const VG*>(grad);
-    for (int64_t base = 0; base < n_vec; base += int64_t{kThreads} * kVecsPerThread) {
+    for (int base = 0; base < n_vec; base += kThreads * kVecsPerThread) {
       VA a[kVecsPerThread];
       VG g[kVecsPerThread];
 #pragma unroll
       for (int k = 0; k < kVecsPerThread; ++k) {
-        const int64_t v = base + threadIdx.x + int64_t{k} * kThreads;
+        const int v = base + static_cast<int>(threadIdx.x) + k * kThreads;
         if (v < n_vec) {
           a[k] = av[v];
           g[k] = gv[v];
@@ -159,7 +169,7 @@ template <typename A, typename G> struct ScaleAccumulateOp {
       }
 #pragma unroll
       for (int k = 0; k < kVecsPerThread; ++k) {
-        const int64_t v = base + threadIdx.x + int64_t{k} * kThreads;
+        const int v = base + static_cast<int>(threadIdx.x) + k * kThreads;
         if (v < n_vec) {
 #pragma unroll
           for (int l = 0; l < kLanes; ++l) a[k].v[l] = update(a[k].v[l], g[k].v[l], s, bad);
@@ -184,7 +194,7 @@ template <typename A, typename G> struct ScaleAccumulateOp {
 
     const int head = vector_head(acc, grad);
     if (head < 0) {
-      scalar_range(acc, grad, begin, end, s, bad);
+      scalar_range(acc + begin, grad + begin, static_cast<int>(end - begin), s, bad);
     } else {
       // Vectors start at h, h + kLanes, ...; chunk c owns the vectors that start in
       // [c * kChunk + h, (c + 1) * kChunk + h). Chunk 0 also does the head [0, h),
@@ -193,9 +203,9 @@ template <typename A, typename G> struct ScaleAccumulateOp {
       const int64_t vec_end = h + (n - h) / kLanes * kLanes;
       const int64_t v_lo = begin + h;
       const int64_t v_hi = min64(begin + kChunk + h, vec_end);
-      if (chunk == 0) scalar_range(acc, grad, 0, h, s, bad);
-      if (v_lo < v_hi) vector_range(acc + v_lo, grad + v_lo, (v_hi - v_lo) / kLanes, s, bad);
-      if (last_chunk) scalar_range(acc, grad, vec_end, n, s, bad);
+      if (chunk == 0) scalar_few(acc, grad, static_cast<int>(h), s, bad);
+      if (v_lo < v_hi) vector_range(acc + v_lo, grad + v_lo, static_cast<int>((v_hi - v_lo) / kLanes), s, bad);
+      if (last_chunk) scalar_few(acc + vec_end, grad + vec_end, static_cast<int>(n - vec_end), s, bad);
     }
     // Any thread that saw inf/NaN: one store of 1.0 per block (all writers store
     // the same value, so concurrent blocks do not race in any harmful way).
