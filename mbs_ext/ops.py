@@ -55,8 +55,25 @@ def _check_tensor(name: str, i: int, t: object, device: torch.device | None, gra
     return t
 
 
+def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mode: bool) -> None:
+    """Raises the named error for a bad pair (the slow path of `_check_pairs`)."""
+    _check_tensor("accumulators", i, acc, device, grad_mode)
+    _check_tensor("grads", i, grad, device, grad_mode)
+    if acc.shape != grad.shape:
+        raise ValueError(f"accumulators[{i}] has shape {tuple(acc.shape)} but grads[{i}] has shape {tuple(grad.shape)}")
+    if not acc.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(acc.stride(), acc.shape)):
+        raise ValueError(
+            f"accumulators[{i}] has elements that share memory (an expanded tensor) and cannot be written in place"
+        )
+
+
 def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
-    """Validates the two lists; returns their device (None when they are empty)."""
+    """Validates the two lists; returns their device (None when they are empty).
+
+    One tight pass decides whether every pair is fine (this runs once per micro-batch
+    over every parameter, so it avoids per-element calls); only a failing pair goes
+    through `_check_pair` to name what is wrong.
+    """
     if len(accumulators) != len(grads):
         raise ValueError(
             f"accumulators and grads must have the same length, got {len(accumulators)} accumulators "
@@ -69,18 +86,22 @@ def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
     device = first.device
     if device.type not in _DEVICE_TYPES:
         raise ValueError(f"accumulators[0] is on {device}; scale_accumulate_ runs on cpu and cuda tensors")
+    tensor, strided, floats = torch.Tensor, torch.strided, _FLOATS
     for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-        _check_tensor("accumulators", i, acc, device, grad_mode)
-        _check_tensor("grads", i, grad, device, grad_mode)
-        if acc.shape != grad.shape:
-            raise ValueError(
-                f"accumulators[{i}] has shape {tuple(acc.shape)} but grads[{i}] has shape {tuple(grad.shape)}"
-            )
-        if not acc.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(acc.stride(), acc.shape)):
-            raise ValueError(
-                f"accumulators[{i}] has elements that share memory (an expanded tensor) and cannot be written "
-                "in place"
-            )
+        if (
+            not isinstance(acc, tensor)
+            or not isinstance(grad, tensor)
+            or acc.layout is not strided
+            or grad.layout is not strided
+            or acc.dtype not in floats
+            or grad.dtype not in floats
+            or acc.device != device
+            or grad.device != device
+            or acc.shape != grad.shape
+            or (grad_mode and (acc.requires_grad or grad.requires_grad))
+            or not acc.is_contiguous()
+        ):
+            _check_pair(i, acc, grad, device, grad_mode)
     return device
 
 
