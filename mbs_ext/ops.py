@@ -1,10 +1,9 @@
 """Python face of the fused ``mbs_ext::scale_accumulate_`` op.
 
 Every argument is validated here, before the dispatcher sees it, and errors name the
-argument (``grads[3]``). The C++ kernels repeat each check once, so that a call
-straight through ``torch.ops`` cannot reach a kernel with bad arguments either; the
-one check only C++ makes is that no accumulator (or ``found_inf``) shares memory
-with another argument, which needs data pointers.
+argument (``grads[3]``): no bad input reaches C++, so no error is ever raised from
+inside a kernel on this path. The C++ kernels repeat each check once, so that a
+call straight through ``torch.ops`` cannot reach a kernel with bad arguments either.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 from mbs_ext._native import _C  # noqa: F401  (loads the op registrations)
 
 _OP = torch.ops.mbs_ext.scale_accumulate_
+_FIND_OVERLAP = torch.ops.mbs_ext._find_overlap
 _FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -105,6 +105,27 @@ def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
     return device
 
 
+_LISTS = ("accumulators", "grads", "found_inf", "scale")
+
+
+def _check_no_overlap(accumulators: list, grads: list, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """No written tensor (an accumulator, found_inf) may share memory with any other argument:
+    the kernels update all pairs in parallel, so an overlap would be a data race.
+
+    Views of one buffer that interleave without sharing elements are refused too (address
+    ranges are compared). The sweep over sorted address ranges runs in C++
+    (``mbs_ext::_find_overlap``), which returns the offending pair instead of raising.
+    """
+    if torch.compiler.is_compiling():  # fake tensors have no addresses; the C++ check runs at run time
+        return
+    hit = _FIND_OVERLAP(accumulators, grads, scale, found_inf)
+    if hit:
+        a, b = (_LISTS[hit[k]] + (f"[{hit[k + 1]}]" if hit[k] < 2 else "") for k in (0, 2))
+        raise ValueError(
+            f"{a} and {b} may share memory; accumulators and found_inf must not overlap any other argument"
+        )
+
+
 def _as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A 0-dim float32/float64 tensor on `device` or on the CPU (then read by value, no copy)."""
     if isinstance(scale, torch.Tensor):
@@ -163,8 +184,8 @@ def scale_accumulate_(
     Raises TypeError/ValueError naming the argument for: lists of different lengths,
     non-tensors, non-float or sparse tensors, shape or device mismatches, devices
     other than cpu/cuda, tensors that require grad while grad mode is on (the op is
-    not differentiable), expanded accumulators, and (from C++) accumulators that share
-    memory with another argument.
+    not differentiable), expanded accumulators, and accumulators or a found_inf that
+    share memory with another argument.
     """
     accumulators = _as_list("accumulators", accumulators)
     grads = _as_list("grads", grads)
@@ -181,5 +202,6 @@ def scale_accumulate_(
     scale_t = _as_scale(scale, device)
     found_inf = _as_found_inf(found_inf, device)
     if accumulators:
+        _check_no_overlap(accumulators, grads, scale_t, found_inf)
         _OP(accumulators, grads, scale_t, found_inf)
     return found_inf

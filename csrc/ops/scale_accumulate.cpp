@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace mbs {
@@ -15,41 +16,63 @@ namespace {
 struct Extent {
   uintptr_t begin;
   uintptr_t end;
-  bool written;
-  const char* list;  // argument name
-  int64_t index;     // position in the list, -1 for a single tensor
+  int64_t list;   // 0 accumulators, 1 grads, 2 found_inf, 3 scale
+  int64_t index;  // position in the list (0 for found_inf and scale)
+  bool written() const { return list == 0 || list == 2; }
 };
 
-Extent extent_of(const at::Tensor& t, bool written, const char* list, int64_t index) {
+Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   // Torch strides are never negative: the element farthest from data_ptr is at
   // sum((size - 1) * stride).
   int64_t last = 0;
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   const auto bytes = static_cast<uintptr_t>((last + 1) * static_cast<int64_t>(t.element_size()));
-  return {begin, begin + bytes, written, list, index};
+  return {begin, begin + bytes, list, index};
 }
 
 std::string name_of(const Extent& e) {
-  return e.index < 0 ? std::string(e.list) : std::string(e.list) + "[" + std::to_string(e.index) + "]";
+  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
+  return e.list < 2 ? std::string(names[e.list]) + "[" + std::to_string(e.index) + "]" : names[e.list];
 }
 
 // No written tensor (an accumulator, found_inf) may share memory with any other
 // argument: blocks and threads run in parallel, so an overlap is a data race.
 // Sorted sweep: any overlap involving a written extent shows up against the extent
-// with the largest end seen so far.
-void check_no_overlap(std::vector<Extent>& extents) {
-  std::sort(extents.begin(), extents.end(),
-            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+// with the largest end seen so far. Returns the first offending pair, if any.
+// Assumes the arguments passed check_scale_accumulate_args up to this point
+// (lengths equal, tensors with storage); never throws for such arguments.
+std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulators, at::TensorList grads,
+                                                      const at::Tensor& scale, const at::Tensor& found_inf) {
+  std::vector<Extent> extents;
+  extents.reserve(2 * accumulators.size() + 2);
+  for (size_t i = 0; i < accumulators.size() && i < grads.size(); ++i) {
+    if (accumulators[i].numel() == 0) continue;
+    extents.push_back(extent_of(accumulators[i], 0, static_cast<int64_t>(i)));
+    extents.push_back(extent_of(grads[i], 1, static_cast<int64_t>(i)));
+  }
+  extents.push_back(extent_of(found_inf, 2, 0));
+  if (scale.device() == found_inf.device()) extents.push_back(extent_of(scale, 3, 0));
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
   const Extent* reach = nullptr;  // the extent seen so far that ends last
   for (const Extent& e : extents) {
-    if (reach != nullptr && e.begin < reach->end) {
-      TORCH_CHECK_VALUE(!(e.written || reach->written), "scale_accumulate_: ", name_of(*reach),
-                        " and ", name_of(e),
-                        " may share memory; accumulators and found_inf must not overlap any other argument");
+    if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
+      return std::make_pair(*reach, e);
     }
     if (reach == nullptr || e.end > reach->end) reach = &e;
   }
+  return std::nullopt;
+}
+
+// mbs_ext::_find_overlap: the overlap check as a query that returns, rather than
+// raises, so that the Python wrapper can name the arguments without any error
+// leaving C++. [] when nothing overlaps, else [list, index, list, index].
+std::vector<int64_t> find_overlap_op(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
+                                     const at::Tensor& found_inf) {
+  if (accumulators.size() != grads.size() || !scale.defined() || !found_inf.defined()) return {};
+  const auto hit = find_overlap(accumulators, grads, scale, found_inf);
+  if (!hit) return {};
+  return {hit->first.list, hit->first.index, hit->second.list, hit->second.index};
 }
 
 }  // namespace
@@ -121,16 +144,10 @@ c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorL
   TORCH_CHECK_VALUE(scale.device() == device || scale.device().is_cpu(), "scale_accumulate_: scale is on ",
                     scale.device(), " but must be on ", device, " or be a CPU scalar");
 
-  std::vector<Extent> extents;
-  extents.reserve(2 * accumulators.size() + 2);
-  for (size_t i = 0; i < accumulators.size(); ++i) {
-    if (accumulators[i].numel() == 0) continue;
-    extents.push_back(extent_of(accumulators[i], true, "accumulators", static_cast<int64_t>(i)));
-    extents.push_back(extent_of(grads[i], false, "grads", static_cast<int64_t>(i)));
-  }
-  extents.push_back(extent_of(found_inf, true, "found_inf", -1));
-  if (scale.device() == device) extents.push_back(extent_of(scale, false, "scale", -1));
-  check_no_overlap(extents);
+  const auto overlap = find_overlap(accumulators, grads, scale, found_inf);
+  TORCH_CHECK_VALUE(!overlap, "scale_accumulate_: ", overlap ? name_of(overlap->first) : "", " and ",
+                    overlap ? name_of(overlap->second) : "",
+                    " may share memory; accumulators and found_inf must not overlap any other argument");
   return device;
 }
 
@@ -162,4 +179,8 @@ TORCH_LIBRARY(mbs_ext, m) {
   m.def(
       "scale_accumulate_(Tensor(a!)[] accumulators, Tensor[] grads, Tensor scale, "
       "Tensor(b!) found_inf) -> ()");
+  m.def("_find_overlap(Tensor[] accumulators, Tensor[] grads, Tensor scale, Tensor found_inf) -> int[]");
 }
+
+// Reads only data pointers and strides: one implementation for every backend.
+TORCH_LIBRARY_IMPL(mbs_ext, CompositeExplicitAutograd, m) { m.impl("_find_overlap", &mbs::find_overlap_op); }
