@@ -28,6 +28,12 @@ def _scale_accumulate_fake(accumulators, grads, scale, found_inf) -> None:
     return None
 
 
+@torch.library.register_fake("mbs_ext::_find_overlap")
+def _find_overlap_fake(accumulators, grads, scale, found_inf) -> list[int]:
+    # Fake tensors have no memory to overlap.
+    return []
+
+
 def _as_list(name: str, seq: object) -> list:
     if isinstance(seq, list):
         return seq

@@ -393,6 +393,14 @@ def test_python_api_under_torch_compile():
     assert found_inf.item() == 0.0
 
 
+def test_python_api_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        found_inf = mbs_ext.scale_accumulate_([torch.zeros(4)], [torch.ones(4)], 2.0)
+    assert found_inf.shape == () and found_inf.dtype == torch.float32
+
+
 def test_works_under_torch_compile():
     def accumulate(accs, grads):
         torch.ops.mbs_ext.scale_accumulate_(accs, grads, torch.tensor(2.0), torch.zeros(()))
