@@ -35,3 +35,11 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
 
 
 MODELS = {"resnet50": resnet50_shapes, "gpt2_small": gpt2_small_shapes}
+
+
+def tiny_shapes(count: int = 2000) -> list[tuple[int, ...]]:
+    """Many small tensors (16 to 2,015 elements, ~2M in all): launch and metadata overhead dominate."""
+    return [(16 + (i * 97) % 2000,) for i in range(count)]
+
+
+GPU_SHAPES = {**MODELS, "tiny2000": tiny_shapes}

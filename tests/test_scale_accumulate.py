@@ -124,45 +124,281 @@ def test_scale_tensor_on_device_is_read_on_device(device):
     assert torch.equal(acc[0].cpu(), torch.full((10,), 2.0, dtype=torch.float64))
 
 
-@pytest.mark.parametrize(
-    "make_args,error,match",
-    [
-        (lambda: ([torch.zeros(2)], [], 1.0), ValueError, "same length"),
-        (lambda: ([torch.zeros(2)], [torch.zeros(3)], 1.0), ValueError, r"accumulators\[0\] has shape"),
-        (lambda: ([torch.zeros(2, dtype=torch.int32)], [torch.zeros(2)], 1.0), TypeError, r"accumulators\[0\]"),
-        (lambda: ([torch.zeros(2)], [torch.zeros(2, dtype=torch.int64)], 1.0), TypeError, r"grads\[0\]"),
-        (lambda: ([torch.zeros(2)], [torch.zeros(2)], torch.ones(2)), ValueError, "scale"),
-        (lambda: ([torch.zeros(2)], [torch.zeros(2)], "x"), TypeError, "scale"),
-        (lambda: ([torch.zeros(2)], [torch.zeros(2)], True), TypeError, "scale"),
-        (lambda: (torch.zeros(2), [torch.zeros(2)], 1.0), TypeError, "sequences"),
-        (lambda: ([torch.zeros(2)], [[1.0, 2.0]], 1.0), TypeError, r"grads\[0\]"),
-    ],
-)
-def test_bad_arguments(make_args, error, match):
-    accs, grads, scale = make_args()
+def _bad_calls(device: str) -> list[tuple[str, object, type, str]]:
+    """(id, thunk, error, message pattern) for bad calls of the Python API on `device`."""
+
+    def z(*shape, dtype=torch.float32, dev=device):
+        return torch.zeros(shape or (2,), dtype=dtype, device=dev)
+
+    def leaf():
+        return z().requires_grad_()
+
+    def ok():
+        return [z() for _ in range(4)]
+
+    def shared(make):  # one buffer used twice in a call
+        return lambda: make(z(8))
+
+    cases = [
+        ("length", lambda: ([z()], [], 1.0), ValueError, "same length"),
+        ("length-rev", lambda: ([], [z()], 1.0), ValueError, "same length"),
+        ("shape", lambda: ([z()], [z(3)], 1.0), ValueError, r"accumulators\[0\] has shape"),
+        ("shape-3", lambda: ([*ok(), z()], [*ok(), z(2, 1)], 1.0), ValueError, r"accumulators\[4\] has shape"),
+        ("int-acc", lambda: ([z(dtype=torch.int32)], [z()], 1.0), TypeError, r"accumulators\[0\]"),
+        ("int-grad", lambda: ([z()], [z(dtype=torch.int64)], 1.0), TypeError, r"grads\[0\]"),
+        ("bool-grad", lambda: ([*ok(), z()], [*ok(), z(dtype=torch.bool)], 1.0), TypeError, r"grads\[4\]"),
+        ("complex-grad", lambda: ([z()], [z(dtype=torch.complex64)], 1.0), TypeError, r"grads\[0\]"),
+        ("sparse-grad", lambda: ([z()], [z().to_sparse()], 1.0), TypeError, r"grads\[0\] must be a dense"),
+        ("meta-acc", lambda: ([z(dev="meta")], [z(dev="meta")], 1.0), ValueError, "meta"),
+        ("meta-grad", lambda: ([z()], [z(dev="meta")], 1.0), ValueError, r"grads\[0\] is on meta"),
+        ("not-tensor", lambda: ([z()], [[1.0, 2.0]], 1.0), TypeError, r"grads\[0\]"),
+        ("none", lambda: ([*ok(), None], [*ok(), z()], 1.0), TypeError, r"accumulators\[4\]"),
+        ("single-tensor", lambda: (z(), [z()], 1.0), TypeError, "list or tuple"),
+        ("generator", lambda: ((t for t in [z()]), [z()], 1.0), TypeError, "list or tuple"),
+        ("scale-shape", lambda: ([z()], [z()], torch.ones(2)), ValueError, "scale"),
+        ("scale-str", lambda: ([z()], [z()], "x"), TypeError, "scale"),
+        ("scale-bool", lambda: ([z()], [z()], True), TypeError, "scale"),
+        ("scale-complex", lambda: ([z()], [z()], 1j), TypeError, "scale"),
+        ("scale-inf", lambda: ([z()], [z()], math.inf), ValueError, "scale must be finite"),
+        ("scale-int-tensor", lambda: ([z()], [z()], torch.tensor(2)), TypeError, "scale"),
+        ("acc-requires-grad", lambda: ([leaf()], [z()], 1.0), ValueError, r"accumulators\[0\] requires grad"),
+        ("grad-requires-grad", lambda: ([z()], [leaf()], 1.0), ValueError, r"grads\[0\] requires grad"),
+        ("expanded-acc", lambda: ([z(1).expand(4)], [z(4)], 1.0), ValueError, "share memory"),
+        ("same-acc-twice", shared(lambda b: ([b, b], [z(8), z(8)], 1.0)), ValueError, "share memory"),
+        ("acc-is-grad", shared(lambda b: ([b], [b], 1.0)), ValueError, "share memory"),
+        ("overlapping-views", shared(lambda b: ([b[:5], b[4:]], [z(5), z(4)], 1.0)), ValueError, "share memory"),
+        ("found-inf-in-acc", shared(lambda b: ([b], [z(8)], 1.0, b[3])), ValueError, "found_inf"),
+    ]
+    if device == "cuda":
+        cases += [
+            ("acc-cuda-grad-cpu", lambda: ([z()], [z(dev="cpu")], 1.0), ValueError, r"grads\[0\] is on cpu"),
+            ("acc-cpu-grad-cuda", lambda: ([z(dev="cpu")], [z()], 1.0), ValueError, r"grads\[0\] is on cuda"),
+            ("scale-cuda-tensors-cpu", lambda: ([z(dev="cpu")], [z(dev="cpu")], torch.tensor(1.0, device="cuda")),
+             ValueError, "scale is on cuda"),
+            ("found-inf-cpu", lambda: ([z()], [z()], 1.0, z((), dev="cpu")), ValueError, "found_inf is on cpu"),
+        ]
+    return cases
+
+
+def _bad_case_ids(device: str) -> list[str]:
+    return [case[0] for case in _bad_calls(device)]
+
+
+@pytest.mark.parametrize("case", _bad_case_ids("cuda"))
+def test_bad_arguments(device, case):
+    cases = {c[0]: c for c in _bad_calls(device)}
+    if case not in cases:
+        pytest.skip(f"{case} needs two device types")
+    _, make_args, error, match = cases[case]
     with pytest.raises(error, match=match):
-        mbs_ext.scale_accumulate_(accs, grads, scale)
+        mbs_ext.scale_accumulate_(*make_args())
 
 
-def test_bad_found_inf():
-    with pytest.raises(ValueError, match="found_inf"):
-        mbs_ext.scale_accumulate_([torch.zeros(2)], [torch.zeros(2)], 1.0, torch.zeros(2))
-    with pytest.raises(ValueError, match="found_inf"):
-        mbs_ext.scale_accumulate_([torch.zeros(2)], [torch.zeros(2)], 1.0, torch.zeros((), dtype=torch.float64))
+def _raw_bad_calls(device: str) -> list[tuple[str, object, type, str]]:
+    """Bad calls straight through torch.ops: the C++ checks, before any data access."""
+
+    def z(*shape, dtype=torch.float32, dev=device):
+        return torch.zeros(shape or (2,), dtype=dtype, device=dev)
+
+    def flag(dev=device, dtype=torch.float32, shape=()):
+        return torch.zeros(shape, dtype=dtype, device=dev)
+
+    def shared(make):  # one buffer used twice in a call
+        return lambda: make(z(8))
+
+    one = torch.tensor(1.0)
+    cases = [
+        ("length", lambda: ([z()], [], one, flag()), ValueError, "same length"),
+        ("length-rev", lambda: ([], [z()], one, flag()), ValueError, "same length"),
+        ("length-many", lambda: ([z(), z(), z()], [z()], one, flag()), ValueError, "same length"),
+        ("shape", lambda: ([z(), z()], [z(), z(3)], one, flag()), ValueError, r"accumulators\[1\] has shape"),
+        ("int-acc", lambda: ([z(dtype=torch.int32)], [z()], one, flag()), TypeError, r"accumulators\[0\]"),
+        ("complex-grad", lambda: ([z()], [z(dtype=torch.complex64)], one, flag()), TypeError, r"grads\[0\]"),
+        ("found-inf-shape", lambda: ([z()], [z()], one, flag(shape=(2,))), ValueError, "found_inf"),
+        ("found-inf-f64", lambda: ([z()], [z()], one, flag(dtype=torch.float64)), ValueError, "found_inf"),
+        ("scale-shape", lambda: ([z()], [z()], torch.ones(2), flag()), ValueError, "scale"),
+        ("scale-int", lambda: ([z()], [z()], torch.tensor(1), flag()), TypeError, "scale"),
+        ("scale-f16", lambda: ([z()], [z()], torch.tensor(1.0, dtype=torch.float16), flag()), TypeError, "scale"),
+        ("expanded-acc", lambda: ([z(1).expand(4)], [z(4)], one, flag()), ValueError, "share memory"),
+        ("acc-is-grad", shared(lambda b: ([b], [b], one, flag())), ValueError, "share memory"),
+        ("same-acc-twice", shared(lambda b: ([b, b], [z(8), z(8)], one, flag())), ValueError, "share memory"),
+        ("found-inf-in-acc", shared(lambda b: ([b], [z(8)], one, b[2])), ValueError, "found_inf"),
+    ]
+    if device == "cuda":
+        cases += [
+            ("acc-cuda-grad-cpu", lambda: ([z()], [z(dev="cpu")], one, flag()), ValueError, r"grads\[0\] is on cpu"),
+            ("acc-cpu-grad-cuda", lambda: ([z(dev="cpu")], [z()], one, flag(dev="cpu")), ValueError, "on cpu"),
+            ("found-inf-cpu", lambda: ([z()], [z()], one, flag(dev="cpu")), ValueError, "found_inf is on cpu"),
+            # Everything on the CPU but a CUDA scale: the dispatcher picks the CUDA kernel.
+            ("only-scale-cuda", lambda: ([z(dev="cpu")], [z(dev="cpu")], one.cuda(), flag(dev="cpu")), ValueError,
+             "CUDA kernel was called with tensors on cpu"),
+            ("empty-scale-cuda", lambda: ([], [], one.cuda(), flag(dev="cpu")), ValueError, "CUDA kernel"),
+            ("length-scale-cuda", lambda: ([z(dev="cpu")], [], one.cuda(), flag(dev="cpu")), ValueError, "same length"),
+        ]
+    return cases
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_mismatched_devices_named():
-    with pytest.raises(ValueError, match=r"grads\[0\] is on"):
-        mbs_ext.scale_accumulate_([torch.zeros(2, device="cuda")], [torch.zeros(2)], 1.0)
+_CRASH_CANARY = r"""
+import re, sys, torch
+sys.path.insert(0, {tests!r})
+import test_scale_accumulate as t
+failures = []
+for maker, call in ((t._bad_calls, lambda a: t.mbs_ext.scale_accumulate_(*a)),
+                    (t._raw_bad_calls, lambda a: torch.ops.mbs_ext.scale_accumulate_(*a))):
+    for name, make_args, error, match in maker({device!r}):
+        print(f"{{maker.__name__}} {{name}}", flush=True)  # the last line names a case that crashed
+        try:
+            call(make_args())
+        except error as exc:
+            if not re.search(match, str(exc)):
+                failures.append(f"{{name}}: message {{exc}} does not match {{match!r}}")
+        except Exception as exc:
+            failures.append(f"{{name}}: {{type(exc).__name__}}: {{exc}}")
+        else:
+            failures.append(f"{{name}}: no error")
+print("FAILURES:", *failures, sep="\n")
+sys.exit(1 if failures else 0)
+"""
 
 
-def test_opcheck():
+def test_bad_arguments_never_crash_the_process(device):
+    """Every bad call, through the Python API and straight through torch.ops (the C++ checks
+    alone, raising from inside the kernels), in a child process: a crash there fails this
+    test with the name of the case instead of killing the test run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _CRASH_CANARY.format(tests=str(Path(__file__).parent), device=device)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    last = proc.stdout.strip().splitlines()[-1:] if proc.returncode < 0 else []
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} (a negative code is a signal; last case started: {last})\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+
+
+def test_requires_grad_tensors_accepted_without_grad_mode(device):
+    acc = torch.ones(5, device=device, requires_grad=True)
+    grad = torch.full((5,), 2.0, device=device)
+    with torch.no_grad():
+        mbs_ext.scale_accumulate_([acc], [grad], 0.5)
+    assert torch.equal(acc.detach().cpu(), torch.full((5,), 2.0))
+
+
+def _opcheck_args(device: str) -> list[tuple]:
     gen = torch.Generator().manual_seed(1)
-    accs = [torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen, dtype=torch.float64)]
-    grads = [torch.randn(5, generator=gen, dtype=torch.bfloat16), torch.randn(3, 2, generator=gen)]
-    args = (accs, grads, torch.tensor(0.5), torch.zeros(()))
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(shape, generator=gen).to(device, dtype)
+
+    strided = r(6, 4)[:, ::2]  # non-contiguous accumulator, written back
+    return [
+        ([r(5), r(3, 2, dtype=torch.float64)], [r(5, dtype=torch.bfloat16), r(3, 2)], torch.tensor(0.5),
+         torch.zeros((), device=device)),
+        ([strided, r(7, dtype=torch.float16)], [r(6, 2, dtype=torch.float16), r(7, dtype=torch.float64)],
+         torch.tensor(-2.0, dtype=torch.float64, device=device), torch.zeros((), device=device)),
+        ([], [], torch.tensor(1.0), torch.zeros((), device=device)),
+    ]
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_opcheck(device, which):
+    args = _opcheck_args(device)[which]
     torch.library.opcheck(torch.ops.mbs_ext.scale_accumulate_.default, args)
+
+
+@pytest.mark.parametrize("acc_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32), (torch.float64, torch.float16)])
+def test_misaligned_views_and_chunk_edges(device, acc_dtype, grad_dtype):
+    """Views at every byte offset class: the vector path from the first jointly aligned element,
+    the scalar path where the two can never be aligned together, and chunk boundaries in both."""
+    n = 2 * 65536 + 5
+    gen = torch.Generator().manual_seed(3)
+    acc_base = torch.randn(n + 8, generator=gen).to(device, acc_dtype)
+    grad_base = torch.randn(n + 8, generator=gen).to(device, grad_dtype)
+    for a_off, g_off in itertools.product([0, 1, 3], [0, 1, 2, 5]):
+        acc = acc_base.clone()[a_off : a_off + n]
+        grad = grad_base[g_off : g_off + n]
+        expected = reference(acc, grad, 0.75)
+        found_inf = mbs_ext.scale_accumulate_([acc], [grad], 0.75)
+        assert_matches(acc, expected)
+        assert found_inf.item() == 0.0
+
+
+def test_many_launches(device):
+    """More tensors than one launch's metadata holds, and a tensor with more chunks than one
+    launch's block map, mixed with tiny ones: every element updated exactly once."""
+    gen = torch.Generator().manual_seed(4)
+    sizes = [int(torch.randint(1, 300, (), generator=gen)) for _ in range(250)]
+    sizes.insert(100, 384 * 65536 + 4099)  # spills over a launch boundary
+    accs = [torch.randn(s, generator=gen).to(device) for s in sizes]
+    grads = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in sizes]
+    expected = [reference(a, g, 1.5) for a, g in zip(accs, grads)]
+    grads[100][-1] = math.nan
+    expected[100][-1] = math.nan
+    found_inf = mbs_ext.scale_accumulate_(accs, grads, 1.5)
+    for out, ref in zip(accs, expected):
+        assert_matches(out, ref)
+    assert found_inf.item() == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_no_host_sync_and_graph_capture():
+    """With a device scale and a given found_inf, the call never synchronizes, and it replays
+    inside a CUDA graph with the flag written on the device."""
+    accs = [torch.zeros(1000, device="cuda"), torch.zeros(70_000, device="cuda")]
+    grads = [torch.ones(1000, device="cuda", dtype=torch.bfloat16), torch.ones(70_000, device="cuda")]
+    scale = torch.tensor(0.5, device="cuda")
+    found_inf = torch.zeros((), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mbs_ext.scale_accumulate_(accs, grads, scale, found_inf)
+        mbs_ext.scale_accumulate_(accs, grads, 0.25, found_inf)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(accs[1].cpu(), torch.full((70_000,), 0.75))
+    assert found_inf.item() == 0.0
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        mbs_ext.scale_accumulate_(accs, grads, scale, found_inf)  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            mbs_ext.scale_accumulate_(accs, grads, scale, found_inf)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    before = accs[0].clone()
+    scale.fill_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(accs[0], before + 2.0)
+    assert found_inf.item() == 0.0
+    grads[1][12_345] = math.inf
+    graph.replay()
+    torch.cuda.synchronize()
+    assert found_inf.item() == 1.0
+
+
+def test_python_api_under_torch_compile():
+    def accumulate(accs, grads, found_inf):
+        mbs_ext.scale_accumulate_(accs, grads, 2.0, found_inf)
+        return accs[0] * 1
+
+    accs, found_inf = [torch.zeros(4)], torch.zeros(())
+    out = torch.compile(accumulate, backend="aot_eager", fullgraph=True)(accs, [torch.ones(4)], found_inf)
+    assert torch.equal(out, torch.full((4,), 2.0))
+    assert found_inf.item() == 0.0
+
+
+def test_python_api_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        found_inf = mbs_ext.scale_accumulate_([torch.zeros(4)], [torch.ones(4)], 2.0)
+    assert found_inf.shape == () and found_inf.dtype == torch.float32
 
 
 def test_works_under_torch_compile():

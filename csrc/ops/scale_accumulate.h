@@ -1,17 +1,48 @@
-// Shared argument checks for mbs_ext::scale_accumulate_ (CPU and CUDA kernels).
+// mbs_ext::scale_accumulate_: the checks and dense-view handling both kernels share.
+//
+// Python (mbs_ext/ops.py) validates every argument before dispatch and names the
+// offending one; the checks here repeat each fact once so that a C++ caller, or a
+// call straight through torch.ops, can never reach a kernel with arguments that
+// would make it touch memory it does not own.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <optional>
+#include <utility>
+#include <vector>
 
 namespace mbs {
 
-// Validates the op's arguments; errors name the argument and what was expected.
-// Returns the device the pairs live on (scale's device when there are no pairs).
+// Validates the op's arguments before any kernel touches data. Lengths are checked
+// before any element is indexed. `kernel_device` is the device type of the kernel
+// that calls this (every tensor but a CPU scalar `scale` must be of that type).
+// Returns the device the tensors live on.
 c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorList grads,
-                                        const at::Tensor& scale, const at::Tensor& found_inf);
+                                        const at::Tensor& scale, const at::Tensor& found_inf,
+                                        c10::DeviceType kernel_device);
 
 bool is_supported_float(at::ScalarType t);
+
+// The non-empty pairs as contiguous tensors a kernel can run over with flat
+// indices. A non-contiguous accumulator is replaced by a contiguous copy that
+// write_back() copies into the original afterwards; a non-contiguous grad by a
+// contiguous copy that lives as long as this object.
+class DensePairs {
+ public:
+  DensePairs(at::TensorList accumulators, at::TensorList grads);
+
+  size_t size() const { return acc_.size(); }
+  const at::Tensor& acc(size_t i) const { return acc_[i]; }
+  const at::Tensor& grad(size_t i) const { return grad_[i]; }
+
+  // Copies the results of the contiguous stand-ins into the original accumulators
+  // (on the current stream for CUDA tensors: ordered after the kernel).
+  void write_back();
+
+ private:
+  std::vector<at::Tensor> acc_;
+  std::vector<at::Tensor> grad_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending_;  // (original, contiguous copy)
+};
 
 }  // namespace mbs

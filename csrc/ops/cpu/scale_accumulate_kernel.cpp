@@ -27,34 +27,26 @@ constexpr int64_t kGrain = 1 << 15;
 
 void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
                           const at::Tensor& found_inf) {
-  check_scale_accumulate_args(accumulators, grads, scale, found_inf);
-  TORCH_CHECK_VALUE(found_inf.device().is_cpu(), "scale_accumulate_: found_inf must be on cpu");
+  // Every check runs before the first element is read or written.
+  check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CPU);
   if (accumulators.empty()) return;
-  const double s = scale.item<double>();
+  const double s = scale.item<double>();  // a CPU tensor here: no device sync
 
+  DensePairs dense(accumulators, grads);
   std::vector<native::Pair> pairs;
-  std::vector<at::Tensor> keep;  // contiguous copies that must outlive the pass
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-  pairs.reserve(accumulators.size());
-  for (size_t i = 0; i < accumulators.size(); ++i) {
-    at::Tensor acc = accumulators[i];
-    if (acc.numel() == 0) continue;
-    at::Tensor grad = grads[i].contiguous();
-    if (!acc.is_contiguous()) {
-      at::Tensor dense = acc.contiguous();
-      write_back.emplace_back(acc, dense);
-      acc = dense;
-    }
-    keep.push_back(grad);
-    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(),
-                     native_dtype(acc.scalar_type()), native_dtype(grad.scalar_type())});
+  pairs.reserve(dense.size());
+  for (size_t i = 0; i < dense.size(); ++i) {
+    const at::Tensor& acc = dense.acc(i);
+    const at::Tensor& grad = dense.grad(i);
+    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), native_dtype(acc.scalar_type()),
+                     native_dtype(grad.scalar_type())});
   }
   const native::FlatPairs flat(std::move(pairs));
   std::atomic<bool> bad{false};
   at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
     if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);
   });
-  for (auto& [target, dense] : write_back) target.copy_(dense);
+  dense.write_back();
   if (bad.load()) found_inf.fill_(1.0);
 }
 
