@@ -1,15 +1,16 @@
-"""Shared test helpers: the devices to run on (CUDA only where a GPU exists)."""
+"""Shared test fixtures: the devices to run on (CUDA only where a GPU and a CUDA build exist)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import CUDA, DEVICE_PARAMS, requires_cuda
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+__all__ = ["DEVICES", "device", "requires_cuda"]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.fixture(params=DEVICE_PARAMS)
 def device(request) -> str:
+    """"cpu", and "cuda" where available (skipped cleanly otherwise)."""
     return request.param

@@ -1,4 +1,8 @@
-"""Deferred-statistics BatchNorm: running statistics equal one full-batch nn.BatchNorm forward."""
+"""Deferred-statistics BatchNorm: running statistics equal one full-batch nn.BatchNorm forward.
+
+Tests taking ``device`` stream to the CPU and, where a GPU exists, to CUDA; the reference
+is a plain nn.BatchNorm in float64 on the host.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, to_f64
 from torch import nn
 
 import mbs_ext
@@ -42,12 +46,12 @@ CASES = {
 
 @pytest.mark.parametrize("momentum", [0.1, 0.7, None])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_running_stats_equal_full_batch_forward(case, momentum):
+def test_running_stats_equal_full_batch_forward(case, momentum, device):
     make, shape = CASES[case]
     torch.manual_seed(0)
     model = BNFirst(make(momentum=momentum), 3).double()
     ref_bn = copy.deepcopy(model.bn)
-    mbs_ext.convert_batchnorm(model)
+    mbs_ext.convert_batchnorm(model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for n, m in [(8, 3), (5, 3), (10, 4)]:  # small N: the n/(n-1) correction matters
@@ -59,43 +63,43 @@ def test_running_stats_equal_full_batch_forward(case, momentum):
         assert rel_err(model.bn.running_var, ref_bn.running_var) <= 1e-12
 
 
-def test_unbiased_correction_is_over_the_whole_mini_batch():
+def test_unbiased_correction_is_over_the_whole_mini_batch(device):
     # A micro-batch-wise correction would give a measurably different running_var.
     torch.manual_seed(0)
-    model = mbs_ext.convert_batchnorm(BNFirst(nn.BatchNorm1d(3, momentum=1.0), 3).double())
+    model = mbs_ext.convert_batchnorm(BNFirst(nn.BatchNorm1d(3, momentum=1.0), 3).double()).to(device)
     x = torch.randn(6, 3, dtype=torch.float64)
     mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, loss_fn, micro_batch_size=2)
     assert rel_err(model.bn.running_var, x.var(0, unbiased=True)) <= 1e-12
     assert rel_err(model.bn.running_var, x.var(0, unbiased=False)) > 0.1
 
 
-def test_float32_running_stats():
+def test_float32_running_stats(device):
     torch.manual_seed(0)
     model = BNFirst(nn.BatchNorm2d(3), 3)
-    ref_bn = copy.deepcopy(model.bn)
-    mbs_ext.convert_batchnorm(model)
+    ref_bn = copy.deepcopy(model.bn).double()
+    mbs_ext.convert_batchnorm(model).to(device)
     x = torch.randn(10, 3, 4, 4) * 2 + 5
     mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss_fn, micro_batch_size=3)
-    ref_bn(x)
+    ref_bn(to_f64(x))
     assert rel_err(model.bn.running_mean, ref_bn.running_mean) <= 1e-5
     assert rel_err(model.bn.running_var, ref_bn.running_var) <= 1e-5
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_outside_step_behaves_like_nn_batchnorm(momentum):
+def test_outside_step_behaves_like_nn_batchnorm(momentum, device):
     torch.manual_seed(0)
-    ref = nn.BatchNorm2d(4, momentum=momentum)
+    ref = nn.BatchNorm2d(4, momentum=momentum).to(device)
     with torch.no_grad():
         ref.weight.uniform_()
         ref.bias.uniform_()
     bn = mbs_ext.convert_batchnorm(copy.deepcopy(ref))
     assert isinstance(bn, DeferredBatchNorm2d)
     for _ in range(3):
-        x = torch.randn(5, 4, 3, 3)
+        x = torch.randn(5, 4, 3, 3, device=device)
         assert torch.equal(bn(x), ref(x))
     bn.eval()
     ref.eval()
-    x = torch.randn(2, 4, 3, 3)
+    x = torch.randn(2, 4, 3, 3, device=device)
     assert torch.equal(bn(x), ref(x))
     for a, b in zip(bn.buffers(), ref.buffers(), strict=True):
         assert torch.equal(a, b)
@@ -134,7 +138,7 @@ def test_convert_shares_parameters_and_keeps_dtype_and_flags():
     assert isinstance(mbs_ext.convert_batchnorm(nn.BatchNorm3d(2)), DeferredBatchNorm3d)
 
 
-def test_no_affine_and_no_running_stats():
+def test_no_affine_and_no_running_stats(device):
     model = mbs_ext.convert_batchnorm(
         nn.Sequential(
             nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, track_running_stats=False)
@@ -143,6 +147,7 @@ def test_no_affine_and_no_running_stats():
     model.double()
     x = torch.randn(8, 3, dtype=torch.float64)
     ref = copy.deepcopy(model)
+    model.to(device)
     mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss_fn_seq, micro_batch_size=8)
     ref(x)
     assert rel_err(model[1].running_var, ref[1].running_var) <= 1e-12

@@ -1,5 +1,9 @@
 """Injected faults: every failure point leaves parameters, optimizer, scaler and
-BatchNorm state bit-identical, and leaves no worker thread behind."""
+BatchNorm state bit-identical, and leaves no worker thread behind.
+
+Every test runs with the model on the CPU and, where a GPU exists, on CUDA (the batch
+stays on the host and streams through the ring).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bit_identical, snapshot
+from helpers import assert_bit_identical, assert_states_match, balanced_ranges, scaler_for, snapshot
 from torch import nn
 
 import mbs_ext
 
 N, M = 11, 3  # four micro-batches: 3, 3, 3, 2 rows
 NUM_MB = 4
+assert len(balanced_ranges(N, M)) == NUM_MB
 
 
 class Net(nn.Module):
@@ -43,13 +48,14 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def setup(deferred: bool = True):
+def setup(device: str, deferred: bool = True):
     torch.manual_seed(0)
     model = Net()
     if deferred:
         model = mbs_ext.convert_batchnorm(model)
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
+    scaler = scaler_for(device, init_scale=2.0**6, growth_interval=1)
     mbs_ext.step(model, opt, batch(7), mse, micro_batch_size=M, scaler=scaler)  # non-trivial state
     return model, opt, scaler
 
@@ -64,13 +70,15 @@ def _assert_untouched_then_fresh_equivalent(model, opt, scaler, before, fresh):
     mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, scaler=scaler)
     f_model, f_opt, f_scaler = fresh
     mbs_ext.step(f_model, f_opt, batch(), mse, micro_batch_size=M, scaler=f_scaler)
-    assert_bit_identical(snapshot(model, opt, scaler), snapshot(f_model, f_opt, f_scaler))
+    # Two runs of one step: bit-identical on the CPU; CUDA kernels promise less.
+    tol = 0.0 if next(model.parameters()).device.type == "cpu" else 1e-6
+    assert_states_match(snapshot(model, opt, scaler), snapshot(f_model, f_opt, f_scaler), tol)
 
 
 @pytest.mark.parametrize("exc_type", [Injected, KeyboardInterrupt])
 @pytest.mark.parametrize("fail_at", range(NUM_MB))
-def test_exception_inside_the_model(fail_at, exc_type):
-    model, opt, scaler = setup()
+def test_exception_inside_the_model(fail_at, exc_type, device):
+    model, opt, scaler = setup(device)
     fresh = copy.deepcopy((model, opt, scaler))
     before = snapshot(model, opt, scaler)
     calls = []
@@ -91,8 +99,8 @@ def test_exception_inside_the_model(fail_at, exc_type):
 
 
 @pytest.mark.parametrize("fail_at", range(NUM_MB))
-def test_exception_in_backward(fail_at):
-    model, opt, scaler = setup()
+def test_exception_in_backward(fail_at, device):
+    model, opt, scaler = setup(device)
     fresh = copy.deepcopy((model, opt, scaler))
     before = snapshot(model, opt, scaler)
     calls = []
@@ -113,8 +121,8 @@ def test_exception_in_backward(fail_at):
 @pytest.mark.parametrize("deferred", [True, False])
 @pytest.mark.parametrize("bad_at", range(NUM_MB))
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_nonfinite_loss_at_every_micro_batch_skips(bad_at, value, deferred):
-    model, opt, _ = setup(deferred)
+def test_nonfinite_loss_at_every_micro_batch_skips(bad_at, value, deferred, device):
+    model, opt, _ = setup(device, deferred)
     before = snapshot(model, opt)
     calls = []
 
@@ -134,8 +142,8 @@ def test_nonfinite_loss_at_every_micro_batch_skips(bad_at, value, deferred):
 
 @pytest.mark.parametrize("bad_at", range(NUM_MB))
 @pytest.mark.parametrize("element", [0, -1])
-def test_nonfinite_gradient_element_of_last_parameter_skips(bad_at, element):
-    model, opt, _ = setup()
+def test_nonfinite_gradient_element_of_last_parameter_skips(bad_at, element, device):
+    model, opt, _ = setup(device)
     before = snapshot(model, opt)
     last = list(model.parameters())[-1]
     calls = []
@@ -161,8 +169,8 @@ def test_nonfinite_gradient_element_of_last_parameter_skips(bad_at, element):
     assert_bit_identical(snapshot(model, opt), before)
 
 
-def test_interrupted_streams_leave_no_threads():
-    model, opt, scaler = setup()
+def test_interrupted_streams_leave_no_threads(device):
+    model, opt, scaler = setup(device)
     start = threads()
     for k in range(30):
         calls = []
@@ -178,8 +186,8 @@ def test_interrupted_streams_leave_no_threads():
     assert threads() <= start + 1  # at most the ring's idle worker, never one per stream
 
 
-def test_skipped_step_with_clipping_keeps_the_offending_gradient():
-    model, opt, _ = setup()
+def test_skipped_step_with_clipping_keeps_the_offending_gradient(device):
+    model, opt, _ = setup(device)
     before = snapshot(model, opt)
     last = list(model.parameters())[-1]
 

@@ -1,4 +1,9 @@
-"""2-process gloo DDP: a streamed step equals one single-process step on the global batch."""
+"""2-process gloo DDP: a streamed step equals one single-process step on the global batch.
+
+Runs with the models on the CPU and, where a GPU exists, on CUDA (both ranks on one GPU
+share it through gloo, which all-reduces CUDA tensors; NCCL refuses two ranks on one
+device). The batch stays on the host; the reference is a float64 full-batch step.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import TinyLM, full_batch_step, lm_loss, rel_err, token_count
+from helpers import DEVICE_PARAMS, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
 from torch import nn
 
 import mbs_ext
@@ -71,23 +76,26 @@ def _n(data):
     return len(data["ids"]) if isinstance(data, dict) else len(data[0])
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, port, out_dir, device):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
+        if device == "cuda":
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
         for name, (kind, dtype, data_fn, split, m, normalize, acc) in SCENARIOS.items():
             data = data_fn()
             if dtype == torch.float32 and kind == "mlp":
                 data = tuple(v.float() for v in data)
             local = _rows(data, 0, split) if rank == 0 else _rows(data, split, _n(data))
-            model = nn.parallel.DistributedDataParallel(make_model(kind, dtype))
+            model = nn.parallel.DistributedDataParallel(make_model(kind, dtype).to(device))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             res = mbs_ext.step(model, opt, local, _loss_for(kind), micro_batch_size=m, normalize=normalize,
                                accumulate_dtype=acc)
             torch.save(
                 {
-                    "params": {k: v.detach().clone() for k, v in model.module.named_parameters()},
-                    "grads": {k: v.grad.clone() for k, v in model.module.named_parameters()},
+                    "params": {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
+                    "grads": {k: v.grad.cpu().clone() for k, v in model.module.named_parameters()},
                     "loss": res.loss,
                     "num_micro_batches": res.num_micro_batches,
                 },
@@ -103,14 +111,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+@pytest.fixture(scope="module", params=DEVICE_PARAMS)
+def ddp_results(request, tmp_path_factory):
+    device = request.param
+    out = tmp_path_factory.mktemp(f"ddp_{device}")
     # The free port is only reserved until the socket closes; on a busy machine another
     # process can take it before rank 0 binds it, so a failed rendezvous gets new ports.
     for attempt in range(3):
         try:
-            mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(_free_port(), str(out), device), nprocs=WORLD, join=True)
             break
         except mp.ProcessRaisedException as exc:
             network = ("EADDRINUSE", "address already in use", "Connection", "Socket", "Gloo", "timed out", "Timeout")
@@ -127,9 +136,9 @@ def test_ddp_equals_single_process_global_step(ddp_results, name):
     data = data_fn()
     if dtype == torch.float32 and kind == "mlp":
         data = tuple(v.float() for v in data)
-    ref = make_model(kind, dtype)
+    ref = make_model(kind, dtype).double()  # the same initial values, in float64
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_loss, _ = full_batch_step(ref, ropt, data, _loss_for(kind))
+    ref_loss, _ = full_batch_step(ref, ropt, to_f64(data), _loss_for(kind))
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     r0, r1 = ddp_results[name]
     # Ranks streamed different numbers of micro-batches for this to be a real test.
