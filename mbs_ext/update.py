@@ -71,9 +71,7 @@ def probe(
     values = [loss_sum, total, found, bad_count if bad_count is not None else 0.0]
     if norm is not None:
         values.append(norm.detach())
-    read = torch.stack(
-        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
-    ).tolist()
+    read = _read(values, device)
     if read[3] != 0:
         raise ValueError(f"{_norm.INVALID_COUNT_MESSAGE}; a count callable returned a value that is not")
     _norm.check_total(read[1])
@@ -82,6 +80,21 @@ def probe(
         grad_norm=read[4] if norm is not None else None,
     )
     return outcome, norm
+
+
+def _read(values: list, device: torch.device) -> list[float]:
+    """Host numbers of ``values`` with one device-to-host copy for all the device tensors.
+
+    Host numbers stay on the host: copying them to the device first would be a
+    (synchronous) host-to-device copy each.
+    """
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    read = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
+    if on_device:
+        stacked = torch.stack([values[i].detach().to(device, torch.float64).reshape(()) for i in on_device])
+        for i, v in zip(on_device, stacked.tolist()):
+            read[i] = v
+    return read
 
 
 def nonfinite_message(outcome: Outcome) -> str:
