@@ -77,12 +77,15 @@ class _DeferredStats:
             return
         n, mean, m2 = pending
         self.num_batches_tracked.add_(1)
-        if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked.item())
-        else:
-            factor = self.momentum
         var = m2 / (n - 1) if n > 1 else torch.full_like(m2, float("nan"))
         rm, rv = self.running_mean, self.running_var
+        if self.momentum is None:
+            # Cumulative average: the factor stays on the device (reading it would sync).
+            factor = 1.0 / self.num_batches_tracked.to(rm.dtype)
+            rm.mul_(1 - factor).add_(mean.to(rm.dtype) * factor)
+            rv.mul_(1 - factor).add_(var.to(rv.dtype) * factor)
+            return
+        factor = self.momentum
         rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
         rv.mul_(1 - factor).add_(var.to(rv.dtype), alpha=factor)
 
