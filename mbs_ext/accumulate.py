@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext.ops import scale_accumulate_
+from mbs_ext.ops import _OP, _as_scale, scale_accumulate_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -37,6 +37,7 @@ class GradBuffers:
         self.flats: list[torch.Tensor] = []
         self.found_inf: list[torch.Tensor] = []  # one 0-dim float32 flag per device
         self.got = [False] * len(params)
+        self.checked: set[tuple[int, ...]] = set()
         groups: dict[torch.device, list[int]] = {}
         for j, p in enumerate(params):
             groups.setdefault(p.device, []).append(j)
@@ -60,7 +61,16 @@ class GradBuffers:
             if not have:
                 continue
             s = scale.to(flag.device) if isinstance(scale, torch.Tensor) else scale
-            scale_accumulate_([self.views[j] for j in have], [params[j].grad for j in have], s, flag)
+            accs, grads = [self.views[j] for j in have], [params[j].grad for j in have]
+            key = tuple(have)
+            if key in self.checked:
+                # Same parameters as a call that passed the op's full argument check:
+                # their grads have the same dtypes, shapes and device, so skip re-checking
+                # each pair on every micro-batch (the C++ checks still run).
+                _OP(accs, grads, _as_scale(s, flag.device), flag)
+            else:
+                scale_accumulate_(accs, grads, s, flag)
+                self.checked.add(key)
             for j in have:
                 self.got[j] = True
                 params[j].grad = None
