@@ -123,23 +123,29 @@ def snapshot(model, optimizer=None, scaler=None) -> dict:
     return snap
 
 
-def assert_bit_identical(a: dict, b: dict) -> None:
-    def same(x, y, where):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, where
-            assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), where
-        elif isinstance(x, dict):
-            assert x.keys() == y.keys(), where
-            for k in x:
-                same(x[k], y[k], f"{where}.{k}")
-        elif isinstance(x, list):
-            assert len(x) == len(y), where
-            for i, (u, v) in enumerate(zip(x, y, strict=True)):
-                same(u, v, f"{where}[{i}]")
-        else:
-            assert x == y, where
+def _compare(a, b, tensors, where: str = "state") -> None:
+    """Walk two nested state structures together; ``tensors(x, y, where)`` checks tensor leaves."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        tensors(a, b, where)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _compare(a[k], b[k], tensors, f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            _compare(u, v, tensors, f"{where}[{i}]")
+    else:
+        assert a == b, where
 
-    same(a, b, "state")
+
+def _same_bits(x, y, where):
+    assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), where
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    _compare(a, b, _same_bits)
 
 
 def assert_states_match(a: dict, b: dict, tol: float) -> None:
@@ -151,24 +157,12 @@ def assert_states_match(a: dict, b: dict, tol: float) -> None:
         return
 
     def close(x, y, where):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, where
-            if x.is_floating_point():
-                assert rel_err(x, y) <= tol, f"{where}: rel err {rel_err(x, y)}"
-            else:
-                assert torch.equal(x.cpu(), y.cpu()), where
-        elif isinstance(x, dict):
-            assert x.keys() == y.keys(), where
-            for k in x:
-                close(x[k], y[k], f"{where}.{k}")
-        elif isinstance(x, list):
-            assert len(x) == len(y), where
-            for i, (u, v) in enumerate(zip(x, y, strict=True)):
-                close(u, v, f"{where}[{i}]")
+        if x.is_floating_point():
+            assert rel_err(x, y) <= tol, f"{where}: rel err {rel_err(x, y)}"
         else:
-            assert x == y, where
+            assert torch.equal(x.cpu(), y.cpu()), where
 
-    close(a, b, "state")
+    _compare(a, b, close)
 
 
 # --- a token-masked causal-LM-like model ---------------------------------------------------
