@@ -66,6 +66,19 @@ def balanced_ranges(n: int, m: int) -> list[tuple[int, int]]:
     return out
 
 
+def failing_at(call: int, exc_type: type[BaseException], loss_fn):
+    """``loss_fn`` that raises ``exc_type("injected")`` on its ``call``-th call (0-based)."""
+    calls = []
+
+    def failing(model, batch):
+        calls.append(1)
+        if len(calls) == call + 1:
+            raise exc_type("injected")
+        return loss_fn(model, batch)
+
+    return failing
+
+
 def full_batch_step(model, optimizer, batch, loss_fn, scaler=None, max_grad_norm=None):
     """The reference: one ordinary backward over the whole mini-batch."""
     optimizer.zero_grad()

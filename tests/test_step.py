@@ -22,6 +22,7 @@ from helpers import (
     assert_states_match,
     balanced_ranges,
     balanced_sizes,
+    failing_at,
     full_batch_step,
     lm_loss,
     reference_model,
@@ -518,14 +519,7 @@ def test_atomic_on_error_at_every_micro_batch(fail_at, exc_type, deferred_bn, de
     fresh = copy.deepcopy((model, opt, scaler))
     before = snapshot(model, opt, scaler)
     batch = pair(11, torch.float32, seed=4)  # 4 micro-batches of 3, 3, 3, 2
-    calls = []
-
-    def failing(m, b):
-        calls.append(1)
-        if len(calls) == fail_at + 1:
-            raise exc_type("injected")
-        return mse(m, b)
-
+    failing = failing_at(fail_at, exc_type, mse)
     with pytest.raises(exc_type) as info:
         mbs_ext.step(model, opt, batch, failing, micro_batch_size=3, scaler=scaler)
     start, stop = balanced_ranges(11, 3)[fail_at]
@@ -743,14 +737,6 @@ def test_micro_batches_are_balanced(n, m, device):
 
 def test_error_note_names_the_balanced_rows(device):
     model, opt, _, _ = twins(mlp(), device=device)
-    calls = []
-
-    def failing(m, b):
-        calls.append(1)
-        if len(calls) == 3:
-            raise Boom("injected")
-        return mse(m, b)
-
     with pytest.raises(Boom) as info:
-        mbs_ext.step(model, opt, pair(10), failing, micro_batch_size=4)
+        mbs_ext.step(model, opt, pair(10), failing_at(2, Boom, mse), micro_batch_size=4)
     assert any("micro-batch 2 of 3" in n and "[7, 10)" in n for n in info.value.__notes__)

@@ -26,6 +26,7 @@ from helpers import (
     assert_models_match,
     assert_states_match,
     balanced_sizes,
+    failing_at,
     full_batch_step,
     reference_model,
     rel_err,
@@ -392,16 +393,8 @@ def test_exception_at_any_micro_batch_changes_nothing(fail_at):
     before = snapshot(model, opt, scaler)
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state())
     batch = image_batch(20, seed=1)  # four micro-batches of 5 rows
-    calls = []
-
-    def failing(m, b):
-        calls.append(1)
-        if len(calls) == fail_at + 1:
-            raise Boom("injected")
-        return mse(m, b)
-
     with pytest.raises(Boom) as info:
-        mbs_ext.step(model, opt, batch, failing, **kw)
+        mbs_ext.step(model, opt, batch, failing_at(fail_at, Boom, mse), **kw)
     assert any(f"micro-batch {fail_at} of 4" in n for n in info.value.__notes__)
     assert_bit_identical(snapshot(model, opt, scaler), before)
     assert all(p.grad is None for p in model.parameters())  # cleared, as documented
