@@ -30,7 +30,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-mb", type=float, default=4.0, help="memory budget for activations + inputs, MiB")
     p.add_argument("--micro-batch", default="auto", help="'auto' (plan from the budget) or an int")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="'auto' (a GPU when there is one), 'cpu' or 'cuda[:i]'")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64"],
+        help="parameter and data dtype; float64 makes the MBS/full-batch comparison exact on any machine",
+    )
     p.add_argument("--out", default="mbs_demo", help="output directory for the PNG and a JSON summary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the full-batch comparison run")
@@ -42,7 +46,26 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
             args.micro_batch = int(args.micro_batch)
         except ValueError:
             p.error(f"--micro-batch must be 'auto' or an int, got {args.micro_batch!r}")
+    try:
+        args.device = _device(args.device)
+    except ValueError as exc:
+        p.error(f"--device: {exc}")
     return args
+
+
+def _device(name: str) -> torch.device:
+    """``auto``: the GPU when torch sees one and mbs_ext has CUDA kernels, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and mbs_ext.build_info()["cuda_compiled"] else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"not a device: {name!r} ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name!r} asked for, but torch sees no CUDA device; use --device cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name!r}: only cpu and cuda devices are supported")
+    return device
 
 
 def _epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor]:
@@ -52,13 +75,15 @@ def _epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    device = torch.device(args.device)
+    device = args.device
+    dtype = getattr(torch, args.dtype)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
+    x_train, x_test = x_train.to(dtype), x_test.to(dtype)
     dataset = (x_train, y_train)
     budget = int(args.budget_mb * 2**20)
     loss_fn = nn.CrossEntropyLoss()
 
-    mbs_model = small_cnn(seed=args.seed).to(device)
+    mbs_model = small_cnn(seed=args.seed).to(device=device, dtype=dtype)
     full_model = copy.deepcopy(mbs_model)
     mbs_opt = torch.optim.Adam(mbs_model.parameters(), lr=args.lr)
     full_opt = torch.optim.Adam(full_model.parameters(), lr=args.lr)
@@ -71,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     micro = None
     print(
         f"mbs_ext {mbs_ext.__version__} on {device}: {len(y_train)} training digits (32x32), "
-        f"mini-batch {args.batch_size}, budget {args.budget_mb:g} MiB"
+        f"mini-batch {args.batch_size}, budget {args.budget_mb:g} MiB, {args.dtype}"
     )
     for epoch in range(args.epochs):
         batches = _epoch_batches(len(y_train), args.batch_size, epoch, args.seed)
@@ -111,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary = {
         "device": str(device),
+        "dtype": args.dtype,
         "mini_batch": args.batch_size,
         "micro_batch": micro,
         "budget_bytes": budget,

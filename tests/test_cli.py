@@ -13,13 +13,18 @@ from mbs_ext.cli import main
 
 
 def test_demo_trains_and_matches_full_batch(tmp_path):
-    code = main(["demo", "--epochs", "1", "--batch-size", "128", "--budget-mb", "2", "--out", str(tmp_path)])
+    # float64: the MBS and full-batch runs then differ only by float64 rounding, on any machine
+    # and thread count (in float32, reduction order alone moved the curves 4.5e-4 apart on a GPU).
+    argv = ["demo", "--epochs", "1", "--batch-size", "128", "--budget-mb", "4", "--dtype", "float64"]
+    code = main([*argv, "--out", str(tmp_path)])
     assert code == 0
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert 1 <= summary["micro_batch"] < 128  # the budget forced streaming
-    assert summary["saved_bytes_micro_batch"] <= 2 * 2**20 < summary["saved_bytes_full_batch"]
-    assert summary["max_loss_gap"] < 1e-4  # BatchNorm-free: the two loss curves coincide
+    assert summary["saved_bytes_micro_batch"] <= 4 * 2**20 < summary["saved_bytes_full_batch"]
+    # BatchNorm-free: the two loss curves coincide to float64 rounding (a 1/M weighting of the
+    # uneven split, or any other normalization error, is many orders of magnitude larger).
+    assert summary["max_loss_gap"] < 1e-9
     assert summary["test_accuracy_mbs"] == summary["test_accuracy_full"]
     assert summary["test_accuracy_mbs"] > 0.3  # better than chance (0.1) after one epoch
 
@@ -35,3 +40,6 @@ def test_bad_command_and_options_are_rejected(capsys):
         main(["demo", "--micro-batch", "big"])
     assert info.value.code == 2
     assert "--micro-batch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "tpu"])
+    assert "--device" in capsys.readouterr().err
