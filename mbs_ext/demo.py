@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 import mbs_ext
 from mbs_ext.data import accuracy, load_digits, small_cnn
@@ -75,6 +74,10 @@ def _epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise SystemExit("the demo needs tqdm, scikit-learn and matplotlib: pip install 'mbs_ext[demo]'") from None
     device = args.device
     dtype = getattr(torch, args.dtype)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)

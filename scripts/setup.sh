@@ -3,24 +3,26 @@
 # Idempotent: a second run with unchanged sources does nothing.
 #   MBS_EXT_CUDA=0|1  force a CPU-only build / require the CUDA kernels
 #   MBS_TORCH=...     torch requirement (default torch==2.14.1, the CUDA 13 build)
+#   MBS_VENV=dir      the virtual environment to set up (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 TORCH_REQ="${MBS_TORCH:-torch==2.14.1}"
+VENV="${MBS_VENV:-.venv}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
-if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv"
-  if ! "$PY" -m venv .venv; then
+if [ ! -x "$VENV"/bin/python ]; then
+  echo "[setup] creating $VENV"
+  if ! "$PY" -m venv "$VENV"; then
     # Debian/Ubuntu without python3-venv: virtualenv from PyPI does the same job.
-    rm -rf .venv
+    rm -rf "$VENV"
     "$PY" -m pip install -q --user virtualenv
-    "$PY" -m virtualenv -q .venv
+    "$PY" -m virtualenv -q "$VENV"
   fi
-  .venv/bin/python -m pip install -q -U pip setuptools wheel ninja
+  "$VENV"/bin/python -m pip install -q -U pip setuptools wheel ninja
 fi
 
-stamp=".venv/.mbs_ext-build"
+stamp="$VENV/.mbs_ext-build"
 mode="${MBS_EXT_CUDA:-auto}"
 [ "$mode" = 1 ] && mode=auto  # same build as auto-detect, only stricter
 want="$( (echo "$TORCH_REQ $mode"; cat setup.py pyproject.toml; find csrc -type f | sort | xargs cat) | sha256sum | cut -d' ' -f1)"
@@ -30,9 +32,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && ls mbs_ext/_C*.so > /de
 fi
 
 echo "[setup] installing $TORCH_REQ"
-.venv/bin/python -m pip install -q "$TORCH_REQ"
+"$VENV"/bin/python -m pip install -q "$TORCH_REQ"
 echo "[setup] building mbs_ext (CUDA kernels too when torch has CUDA and nvcc is found; a few minutes)"
-.venv/bin/python -m pip install -q --no-build-isolation -e ".[test,demo]"
-.venv/bin/python -m pip install -q "pytest-benchmark>=4" ruff
+"$VENV"/bin/python -m pip install -q --no-build-isolation -e ".[test,demo]"
+"$VENV"/bin/python -m pip install -q "pytest-benchmark>=4" ruff
 echo "$want" > "$stamp"
-.venv/bin/python -c "import mbs_ext; print('[setup] mbs_ext', mbs_ext.build_info())"
+"$VENV"/bin/python -c "import mbs_ext; print('[setup] mbs_ext', mbs_ext.build_info())"
