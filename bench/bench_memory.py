@@ -1,7 +1,7 @@
 """Peak resident memory vs mini-batch size: full-batch step vs MBS at a fixed micro-batch.
 
 One child process per point. The child imports torch, builds the small CNN of
-:mod:`mbs_ext.table` and a synthetic host batch of B images (1x32x32), warms up on a
+:mod:`mbs_ext.apps.table` and a synthetic host batch of B images (1x32x32), warms up on a
 throwaway copy (so kernels and allocator arenas exist), returns freed memory to the OS,
 resets its resident high-water mark (``/proc/self/clear_refs``; falls back to
 ``ru_maxrss``) and then runs two training steps. Children run with
@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mbs_ext.table import child_env
+from mbs_ext.apps._process import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,8 +47,8 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     from torch import nn
 
     import mbs_ext
-    from mbs_ext.data import small_cnn
-    from mbs_ext.table import _malloc_trim, proc_status
+    from mbs_ext.apps._process import malloc_trim, proc_status
+    from mbs_ext.apps.data import small_cnn
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -71,7 +71,7 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     one_step(scratch, sopt, x[:micro], y[:micro], False)
     del scratch, sopt
     gc.collect()
-    _malloc_trim()
+    malloc_trim()
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     try:
@@ -166,7 +166,7 @@ def measure(sizes=SIZES, micro: int = MICRO, steps: int = STEPS) -> dict:
         "steps": steps,
         "threads_per_child": threads,
         "method": recs[0]["method"],
-        "model": "mbs_ext.data.small_cnn(32), Adam, synthetic 1x32x32 inputs",
+        "model": "mbs_ext.apps.data.small_cnn(32), Adam, synthetic 1x32x32 inputs",
         "full_slope_kib_per_sample": slope * 1024,
         "rows": rows,
         "points": recs,

@@ -1,3 +1,3 @@
-from mbs_ext.cli import main
+from mbs_ext.apps.cli import main
 
 raise SystemExit(main())

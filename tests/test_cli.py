@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import mbs_ext
-from mbs_ext.cli import main
+from mbs_ext.apps.cli import main
 
 
 def test_demo_trains_and_matches_full_batch(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from mbs_ext import table  # noqa: E402
+from mbs_ext.apps import table  # noqa: E402
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and RLIMIT_AS")
 

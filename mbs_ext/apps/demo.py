@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import mbs_ext
-from mbs_ext.data import accuracy, load_digits, small_cnn
+from mbs_ext.apps.data import accuracy, load_digits, small_cnn
 from mbs_ext.memory import measure_saved_bytes
 
 

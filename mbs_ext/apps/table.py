@@ -33,7 +33,7 @@ and one intra-op thread each, two children at a time on a two-core machine. An a
 failure (``torch.OutOfMemoryError``, ``MemoryError`` or an allocator ``RuntimeError``)
 in the full-batch step is reported as "Failed", like the paper.
 
-Run ``python -m mbs_ext.table --out DIR`` (or ``main([...])``); writes ``table.md``,
+Run ``python -m mbs_ext.apps.table --out DIR`` (or ``main([...])``); writes ``table.md``,
 ``table.json`` and ``table.png`` to ``DIR`` and prints the table.
 """
 
@@ -50,7 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mbs_ext.data import accuracy, load_digits, small_cnn
+from mbs_ext.apps._process import child_env, malloc_trim, proc_status
+from mbs_ext.apps.data import accuracy, load_digits, small_cnn
 
 RESULT_TAG = "MBS_TABLE_RESULT "
 DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
@@ -71,28 +72,6 @@ def make_optimizer(model, batch_size: int, micro_batch_size: int, base_lr: float
 
 
 # --------------------------------------------------------------------------- memory
-
-
-def proc_status() -> dict[str, int]:
-    """``Vm*`` fields of /proc/self/status, in bytes."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Vm"):
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    out[key] = int(parts[0]) * 1024
-    return out
-
-
-def _malloc_trim() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # --------------------------------------------------------------------------- training
@@ -179,7 +158,7 @@ def _child(args: argparse.Namespace) -> int:
     accuracy(scratch, xt, yt, chunk=args.micro)
     del scratch
     gc.collect()
-    _malloc_trim()
+    malloc_trim()
 
     base = proc_status()
     info: dict[str, Any] = {"size": size, "micro": args.micro, "base_vmsize": base.get("VmSize", 0)}
@@ -216,26 +195,13 @@ def _child(args: argparse.Namespace) -> int:
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         del opt
         gc.collect()
-        _malloc_trim()
+        malloc_trim()
         status = proc_status()
         # VmPeak is the process's lifetime peak: the full run's value also covers the MBS run before it.
         rec["peak_growth"] = status.get("VmPeak", 0) - base.get("VmSize", 0)
         rec["rss_hwm_growth"] = status.get("VmHWM", 0) - base.get("VmRSS", 0)
         _emit(rec)
     return 0
-
-
-def child_env(threads: int) -> dict[str, str]:
-    """Environment of a measuring child: this checkout importable, few malloc arenas, big
-    tensors in their own mappings (freed memory returns to the OS), ``threads`` threads."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["MALLOC_ARENA_MAX"] = "2"
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["MKL_NUM_THREADS"] = str(threads)
-    return env
 
 
 def run_child(
@@ -260,7 +226,7 @@ def run_child(
     cmd = [
         sys.executable,
         "-m",
-        "mbs_ext.table",
+        "mbs_ext.apps.table",
         "--child",
         mode,
         "--size",

@@ -16,11 +16,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args, rest = parser.parse_known_args(argv[:1])
     if args.command == "demo":
-        from mbs_ext.demo import main as demo
+        from mbs_ext.apps.demo import main as demo
 
         return demo(argv[1:])
     if args.command == "table":
-        from mbs_ext.table import main as table
+        from mbs_ext.apps.table import main as table
 
         return table(argv[1:])
     import mbs_ext
