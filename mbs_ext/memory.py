@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from mbs_ext import _checks
 from mbs_ext import batch as _batch
@@ -128,6 +131,107 @@ def _row_bytes(batch: Any) -> int:
     return sum(t[:1].numel() * t.element_size() for t in _batch.tensor_leaves(batch))
 
 
+class PeakTracker(TorchDispatchMode):
+    """Live bytes of the tensors created under it, and their peak (a CPU allocator's view).
+
+    Every op output whose storage is new (not shared with an input: not a view, not in
+    place) is counted until the last tensor holding that storage dies. On CUDA the
+    caching allocator's own statistics are used instead (:func:`measure_peak`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [tensors alive, bytes]
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def _hold(self, t: torch.Tensor, key: int) -> None:
+        self._refs[key][0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            x.untyped_storage().data_ptr()
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            if key in self._refs:
+                self._hold(t, key)
+            elif key not in inputs:
+                self._refs[key] = [0, t.untyped_storage().nbytes()]
+                self.live += self._refs[key][1]
+                self.peak = max(self.peak, self.live)
+                self._hold(t, key)
+        return out
+
+
+def measure_peak(
+    model: nn.Module,
+    micro_batch: Any,
+    call: Callable[[nn.Module, Any], torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
+    accumulating: bool = False,
+) -> int:
+    """Peak bytes that one micro-batch's forward, loss and backward add to what is resident.
+
+    Includes the activations saved for backward and every transient of the backward
+    pass (activation gradients, weight-gradient temporaries, workspaces on CUDA). With
+    ``accumulating``, ``.grad`` already holds earlier micro-batches' sum (as from the
+    second micro-batch of a step on): each new gradient is then a temporary added into
+    it, and the resident sum itself is not counted; otherwise the probe starts without
+    ``.grad`` and the gradients count. The micro-batch's own tensors are resident
+    already and not counted.
+    """
+    device = _checks.model_device(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if accumulating and p.requires_grad else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with _loss.autocast(device, autocast_dtype):
+            loss = call(model, micro_batch)
+        loss.float().backward()
+        del loss
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with PeakTracker() as tracker:
+            with _loss.autocast(device, autocast_dtype):
+                loss = call(model, micro_batch)
+            loss.float().backward()
+            del loss
+        peak = tracker.peak
+    for p in model.parameters():
+        p.grad = None
+    return int(peak)
+
+
+def _fit(small: int, large: int, at_small: int, at_large: int) -> tuple[int, int]:
+    """(per-row, fixed) bytes of a straight line through two measurements, never negative."""
+    if large > small:
+        per_row = max(0, math.ceil((at_large - at_small) / (large - small)))
+    else:
+        per_row = math.ceil(at_small / small)
+    return per_row, max(0, at_small - per_row * small)
+
+
 def plan(
     model: nn.Module,
     batch: Any,
@@ -140,39 +244,56 @@ def plan(
     accumulate_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> MicroBatchPlan:
-    """Measure two probes and pick the largest micro-batch within ``memory_budget``."""
-    device = _checks.model_device(model)
-    small = min(2, num_rows)
-    large = min(8, num_rows)
-    with _probing(model, device):
-        saved_small = measure_saved_bytes(model, _probe_batch(batch, small, indices, device), call, autocast_dtype)
-        saved_large = (
-            measure_saved_bytes(model, _probe_batch(batch, large, indices, device), call, autocast_dtype)
-            if large > small
-            else saved_small
-        )
-    if large > small:
-        per_sample_saved = max(0, math.ceil((saved_large - saved_small) / (large - small)))
-    else:
-        per_sample_saved = math.ceil(saved_small / small)
-    intercept = max(0, saved_small - per_sample_saved * small)
+    """Measure probe steps and pick the largest micro-batch whose measured peak fits ``memory_budget``.
 
+    Two small probes (4 and 16 rows) fit the peak of forward + backward
+    (:func:`measure_peak`) as fixed + per-row bytes; the staged inputs (``slots`` in
+    flight plus the one in use) and float32 accumulation buffers are added by count.
+    The peak grows faster than that line at larger sizes (the moment of the peak moves
+    from "all gradients allocated" to "activations and their gradients at once"), so the
+    size it suggests is then measured itself and shrunk in proportion until it fits.
+    """
+    device = _checks.model_device(model)
     input_row = _row_bytes(batch)
-    per_sample = per_sample_saved + input_row * (slots + 1)  # staged slots + the one in use
+    # Staged copies exist only where the ring copies: to a device, or a gather by indices.
+    # A CPU step on a host batch (or any step on a batch already on the device) uses views.
+    on_device = all(t.device == device for t in _batch.tensor_leaves(batch))
+    staging = indices is not None or (device.type != "cpu" and not on_device)
+    staged_row = input_row * (slots + 1) if staging else 0
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     acc_bytes = 0
     if accumulate_dtype is not None:  # separate buffers, one per trainable parameter
         acc_size = torch.empty((), dtype=accumulate_dtype).element_size()
         acc_bytes = sum(p.numel() * acc_size for p in trainable)
-    fixed = intercept + grad_bytes + acc_bytes
-    room = memory_budget - fixed
-    if room < per_sample:
-        raise ValueError(
-            f"memory_budget={memory_budget} bytes is too small: the fixed cost is {fixed} bytes "
-            f"(gradients/accumulators {grad_bytes + acc_bytes}) and one sample needs {per_sample} bytes"
-        )
-    size = max(1, min(num_rows, room // max(per_sample, 1)))
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        with _probing(model, device):
+            small, large = min(4, num_rows), min(16, num_rows)
+            mbs = {n: _probe_batch(batch, n, indices, device) for n in sorted({small, large})}
+            saved = {n: measure_saved_bytes(model, mb, call, autocast_dtype) for n, mb in mbs.items()}
+            accumulating = accumulate_dtype is None  # autograd adds into .grad
+            peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) for n, mb in mbs.items()}
+            if accumulating:
+                peaks = {n: v + grad_bytes for n, v in peaks.items()}
+            del mbs
+            per_sample_saved, intercept = _fit(small, large, saved[small], saved[large])
+            per_row, fixed_peak = _fit(small, large, peaks[small], peaks[large])
+            per_row = max(per_row, per_sample_saved)
+            fixed = max(fixed_peak, intercept + grad_bytes) + acc_bytes
+            per_sample = per_row + staged_row
+            if memory_budget - fixed < per_sample:
+                raise ValueError(
+                    f"memory_budget={memory_budget} bytes is too small: the fixed cost is {fixed} bytes "
+                    f"(gradients/accumulators {grad_bytes + acc_bytes}) and one sample needs {per_sample} bytes"
+                )
+            size = max(1, min(num_rows, (memory_budget - fixed) // max(per_sample, 1)))
+            resident = acc_bytes + (grad_bytes if accumulating else 0)
+            size = _verify(model, batch, indices, device, call, (autocast_dtype, accumulating), size, large,
+                           lambda n, peak: peak + resident + n * staged_row, memory_budget, fixed)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
     return MicroBatchPlan(
         micro_batch_size=int(size),
         saved_bytes_per_sample=per_sample_saved,
@@ -183,6 +304,25 @@ def plan(
         num_rows=int(num_rows),
         _saved_intercept=intercept,
     )
+
+
+def _verify(model, batch, indices, device, call, how: tuple, size: int, probed: int,
+            total: Callable[[int, int], int], budget: int, fixed: int, tries: int = 4) -> int:
+    """Measure the planned size itself; shrink it in proportion while it does not fit."""
+    for _ in range(tries):
+        if size <= probed:
+            return size
+        try:
+            peak = measure_peak(model, _probe_batch(batch, size, indices, device), call, *how)
+        except BaseException as exc:
+            if not is_out_of_memory(exc):
+                raise
+            peak = 2 * budget  # too large: shrink by half at least
+        need = total(size, peak)
+        if need <= budget:
+            return size
+        size = max(1, min(size - 1, int(size * (budget - fixed) / max(need - fixed, 1))))
+    return size
 
 
 def plan_micro_batch(
