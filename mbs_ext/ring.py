@@ -2,12 +2,21 @@
 
 The batch (a tensor, or a nested tuple/list/dict of tensors sharing dim-0 size N)
 stays on the host; a background C++ worker thread stages micro-batch i+1 (a slice,
-or a gather by ``indices``) while the caller computes on micro-batch i.
+or a gather by ``indices``, copied by the ring's own ``staging_threads``) while the
+caller computes on micro-batch i. Micro-batches are balanced: ``ceil(N / m)`` of
+them, sizes differing by at most one (the first ``N % k`` get one row more).
+
+Where nothing needs staging, nothing is staged: a pinned batch is copied straight
+to the GPU by the native ring, and a batch already on the ring's device (or a CPU
+batch with ``copy=False`` on a CPU ring) is sliced here with ``narrow`` (or
+``index_select`` by ``indices``) -- the same iterator, no worker thread.
 """
 
 from __future__ import annotations
 
 import numbers
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from mbs_ext import batch as _batch
 from mbs_ext._native import _C
 
-__all__ = ["StreamRing", "RingIterator"]
+__all__ = ["StreamRing", "RingIterator", "split_sizes", "default_staging_threads"]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -52,14 +61,35 @@ def _check_device(device: Any) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _check_indices(indices: Any, n: int) -> torch.Tensor:
+def _check_indices(indices: Any, n: int, allowed: tuple[torch.device, ...]) -> torch.Tensor:
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a 1-d int64 tensor or None, got {type(indices).__name__}")
     if indices.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"indices must be a 1-d int64 (or int32) tensor, got dtype {indices.dtype}")
-    if indices.device.type != "cpu":
-        raise ValueError(f"indices must be on the CPU, got {indices.device}")
+    if indices.device not in allowed:
+        where = " or ".join(str(d) for d in allowed)
+        raise ValueError(f"indices must be on {where}, got {indices.device}")
     return _batch.check_indices(indices, n)  # shape, emptiness, range: shared with mbs_ext.step
+
+
+def split_sizes(rows: int, micro_batch_size: int) -> list[int]:
+    """Balanced micro-batch sizes, as the native ring cuts them.
+
+    ``k = ceil(rows / m)`` micro-batches; the first ``rows % k`` have ``rows // k + 1``
+    rows, the rest ``rows // k``. The same rule as ``mbs_ext.batch.split_sizes``.
+    """
+    rows = _check_int("rows", rows, 0)
+    m = _check_int("micro_batch_size", micro_batch_size, 1)
+    return list(_C.split_sizes(rows, m))
+
+
+def default_staging_threads(device: torch.device) -> int:
+    """Staging threads a ring uses unless told: 1 on CPU (compute needs the cores),
+    ``min(8, cores // 2)`` for a GPU (the consumer mostly launches kernels there)."""
+    if device.type != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(8, cores // 2))
 
 
 class RingIterator:
@@ -69,16 +99,48 @@ class RingIterator:
     ``(start, stop)`` range: rows of the batch, or positions in ``indices`` when
     streaming by indices. ``close()`` stops the worker; so does exhausting the
     iterator, an error, or dropping it.
+
+    Two sources behind one interface: the native ring (``handle``), or slicing of a
+    batch that already sits where the consumer computes (``leaves``: views by
+    ``narrow``, or ``index_select`` by ``indices``).
     """
 
-    __slots__ = ("_handle", "_ring", "_flat", "_tensor_pos", "_spec", "index", "rows", "__weakref__")
+    __slots__ = (
+        "_handle",
+        "_ring",
+        "_flat",
+        "_tensor_pos",
+        "_spec",
+        "_leaves",
+        "_indices",
+        "_sizes",
+        "_next",
+        "_stats",
+        "index",
+        "rows",
+        "__weakref__",
+    )
 
-    def __init__(self, ring: StreamRing, handle, flat: list, tensor_pos: list[int], spec) -> None:
+    def __init__(
+        self,
+        ring: StreamRing,
+        flat: list,
+        tensor_pos: list[int],
+        spec,
+        *,
+        handle=None,
+        leaves: list[torch.Tensor] | None = None,
+        indices: torch.Tensor | None = None,
+        sizes: list[int] | None = None,
+        stats: dict | None = None,
+    ) -> None:
         self._ring = ring  # keeps the ring alive while iterating
         self._handle = handle
         self._flat = flat
         self._tensor_pos = tensor_pos
         self._spec = spec
+        self._leaves, self._indices, self._sizes, self._stats = leaves, indices, sizes, stats
+        self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)
 
@@ -86,22 +148,44 @@ class RingIterator:
         return self
 
     def __len__(self) -> int:
-        return int(self._handle.num_micro_batches) if self._handle is not None else 0
+        if self._handle is not None:
+            return int(self._handle.num_micro_batches)
+        return len(self._sizes) if self._sizes is not None else 0
+
+    def _slice(self) -> list[torch.Tensor] | None:
+        j, start = self._next
+        if self._sizes is None or j >= len(self._sizes):
+            return None
+        stop = start + self._sizes[j]
+        self._next = (j + 1, stop)
+        self.index, self.rows = j, (start, stop)
+        if self._indices is None:
+            out = [leaf.narrow(0, start, stop - start) for leaf in self._leaves]
+        else:
+            idx = self._indices[start:stop]
+            out = [leaf.index_select(0, idx) for leaf in self._leaves]
+        self._stats["micro_batches"] += 1
+        self._stats["bytes"] += sum(t.nbytes for t in out)
+        return out
 
     def __next__(self):
         handle = self._handle
         if handle is None:
-            raise StopIteration
-        try:
-            out = handle.next()
-        except BaseException:
-            self.close()
-            raise
-        if out is None:
-            self.close()
-            raise StopIteration
-        self.index = handle.index
-        self.rows = handle.rows
+            out = self._slice()
+            if out is None:
+                self.close()
+                raise StopIteration
+        else:
+            try:
+                out = handle.next()
+            except BaseException:
+                self.close()
+                raise
+            if out is None:
+                self.close()
+                raise StopIteration
+            self.index = handle.index
+            self.rows = handle.rows
         flat = list(self._flat)
         for pos, tensor in zip(self._tensor_pos, out, strict=True):
             flat[pos] = tensor
@@ -109,6 +193,7 @@ class RingIterator:
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
+        self._sizes = None
         if handle is not None:
             handle.close()
 
@@ -119,87 +204,51 @@ class RingIterator:
             pass
 
 
-class _ViewIterator:
-    """Zero-copy micro-batches: row ranges of a CPU batch for a CPU consumer.
-
-    Nothing needs staging when the batch already lives where the model runs, so a
-    copy would only cost memory bandwidth; see ``StreamRing.stream(copy=False)``.
-    """
-
-    __slots__ = ("_leaves", "_flat", "_tensor_pos", "_spec", "_n", "_m", "_next_start", "_stats", "index", "rows")
-
-    def __init__(self, leaves, flat, tensor_pos, spec, n: int, m: int, stats: dict) -> None:
-        self._leaves, self._flat, self._tensor_pos, self._spec = leaves, flat, tensor_pos, spec
-        self._n, self._m, self._next_start, self._stats = n, m, 0, stats
-        self.index: int = -1
-        self.rows: tuple[int, int] = (0, 0)
-
-    def __iter__(self) -> _ViewIterator:
-        return self
-
-    def __len__(self) -> int:
-        return -(-self._n // self._m)
-
-    def __next__(self):
-        start = self._next_start
-        if start >= self._n:
-            raise StopIteration
-        stop = min(start + self._m, self._n)
-        self._next_start = stop
-        self.index += 1
-        self.rows = (start, stop)
-        flat = list(self._flat)
-        for pos, leaf in zip(self._tensor_pos, self._leaves, strict=True):
-            view = leaf.narrow(0, start, stop - start)
-            flat[pos] = view
-            self._stats["bytes"] += view.nbytes
-        self._stats["micro_batches"] += 1
-        return tree_unflatten(flat, self._spec)
-
-    def close(self) -> None:
-        self._next_start = self._n
-
-
 class StreamRing:
-    """Streams a host batch to ``device`` in micro-batches through ``slots`` staging slots.
+    """Streams a batch to ``device`` in balanced micro-batches through ``slots`` staging slots.
 
     A background C++ worker thread stages micro-batch i+1 (copy of a row range, or a
-    gather by ``indices``) while the caller computes on micro-batch i. Every
-    micro-batch handed out is a freshly allocated tensor the ring never writes again.
+    gather by ``indices``, split over ``staging_threads`` threads of the ring's own
+    pool) while the caller computes on micro-batch i. Every micro-batch handed out
+    by the worker is a freshly allocated tensor the ring never writes again.
+
+    ``staging_threads=None`` picks :func:`default_staging_threads`: 1 for a CPU ring,
+    ``min(8, cores // 2)`` for a CUDA ring. The count is the ring's own and does not
+    follow ``torch.set_num_threads``.
     """
 
-    def __init__(self, device: str | torch.device = "cpu", slots: int = 2) -> None:
+    def __init__(self, device: str | torch.device = "cpu", slots: int = 2, staging_threads: int | None = None) -> None:
         slots = _check_int("slots", slots, 2)
         self.device = _check_device(device)
+        if staging_threads is None:
+            staging_threads = default_staging_threads(self.device)
+        staging_threads = _check_int("staging_threads", staging_threads, 1)
+        if staging_threads > 256:
+            raise ValueError(f"staging_threads must be <= 256, got {staging_threads}")
         self.slots = slots
-        self._ring = _C.StreamRing(str(self.device), slots)
-        self._view_stats: dict | None = None
+        self.staging_threads = staging_threads
+        self._ring = _C.StreamRing(str(self.device), slots, staging_threads)
+        self._sliced_stats: dict | None = None
 
-    def stream(
-        self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None, copy: bool = True
-    ) -> RingIterator:
-        """Iterate over ``batch`` in micro-batches of ``micro_batch_size`` rows, on ``device``.
-
-        Each item has the structure of ``batch``; non-tensor leaves pass through
-        unchanged. With ``indices``, ``batch`` is a host dataset and micro-batch j is
-        ``batch[indices[j*m:(j+1)*m]]``, gathered by the worker. A stream still open
-        on this ring is closed first.
-
-        ``copy=False`` on a CPU ring without ``indices`` hands out views of ``batch``
-        instead of fresh copies (there is nothing to stage): zero cost, but the views
-        share memory with ``batch``. ``mbs_ext.step`` uses this, as a hand-written
-        accumulation loop over ``batch.split(m)`` would.
-        """
-        m = _check_int("micro_batch_size", micro_batch_size, 1)
-        flat, spec = tree_flatten(batch)
+    def _check_batch(self, flat: list) -> tuple[list[int], list[torch.Tensor], int, torch.device]:
+        """The one validation of the batch (the native ring only re-checks defensively)."""
         tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
         if not tensor_pos:
             raise ValueError("batch must contain at least one tensor")
         leaves = [flat[i] for i in tensor_pos]
+        where = leaves[0].device
+        allowed = {torch.device("cpu"), self.device}
         n = None
         for k, t in enumerate(leaves):
-            if t.device.type != "cpu":
-                raise ValueError(f"batch tensors must be on the CPU, tensor {k} is on {t.device}")
+            if t.device not in allowed:
+                raise ValueError(
+                    f"batch tensors must be on the CPU or on the ring's device {self.device}, "
+                    f"tensor {k} is on {t.device}"
+                )
+            if t.device != where:
+                raise ValueError(
+                    f"batch tensors must all be on one device: tensor 0 is on {where}, tensor {k} on {t.device}"
+                )
             if t.layout != torch.strided:
                 raise ValueError(f"batch tensors must be dense (strided), tensor {k} has layout {t.layout}")
             if t.dim() == 0:
@@ -212,27 +261,67 @@ class StreamRing:
                 )
         if n == 0:
             raise ValueError("batch has 0 rows (dim-0 size N must be >= 1)")
+        return tensor_pos, [t.detach() for t in leaves], n, where
+
+    def stream(
+        self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None, copy: bool = True
+    ) -> RingIterator:
+        """Iterate over ``batch`` in balanced micro-batches of at most ``micro_batch_size`` rows, on ``device``.
+
+        Each item has the structure of ``batch``; non-tensor leaves pass through
+        unchanged. With ``indices``, ``batch`` is a dataset and the micro-batches are
+        ``batch[indices[start:stop]]`` for each ``rows`` range, gathered by the worker.
+        A stream still open on this ring is closed first.
+
+        Lifetime: a micro-batch the worker staged is a fresh tensor the ring never
+        writes again. No staging happens, and micro-batches are views of ``batch``
+        (or ``index_select`` gathers with ``indices``), when the batch already sits
+        on the ring's device, or with ``copy=False`` on a CPU ring without
+        ``indices``; views share memory with ``batch``, as ``batch.split(m)`` would.
+        """
+        m = _check_int("micro_batch_size", micro_batch_size, 1)
+        flat, spec = tree_flatten(batch)
+        tensor_pos, leaves, n, where = self._check_batch(flat)
         if indices is not None:
-            indices = _check_indices(indices, n)
-        detached = [t.detach() for t in leaves]
-        if not copy and indices is None and self.device.type == "cpu":
-            self._ring.close()
-            self._view_stats = {"stage_s": 0.0, "wait_s": 0.0, "micro_batches": 0, "bytes": 0,
-                                "planned_micro_batches": -(-n // m)}
-            return _ViewIterator(detached, flat, tensor_pos, spec, n, m, self._view_stats)
-        self._view_stats = None
-        handle = self._ring.open(detached, m, indices)
+            allowed = (torch.device("cpu"),) if where.type == "cpu" else (torch.device("cpu"), where)
+            indices = _check_indices(indices, n, allowed)
         for i in tensor_pos:
             flat[i] = None  # the template keeps only the non-tensor leaves
-        return RingIterator(self, handle, flat, tensor_pos, spec)
+        on_device = where.type != "cpu"
+        if on_device or (not copy and indices is None and self.device.type == "cpu"):
+            self._ring.close()
+            rows = n if indices is None else int(indices.numel())
+            sizes = split_sizes(rows, m)
+            self._sliced_stats = {
+                "stage_s": 0.0,
+                "wait_s": 0.0,
+                "micro_batches": 0,
+                "bytes": 0,
+                "staged_bytes": 0,
+                "planned_micro_batches": len(sizes),
+            }
+            if indices is not None:
+                indices = indices.to(where, non_blocking=True)
+            return RingIterator(
+                self, flat, tensor_pos, spec, leaves=leaves, indices=indices, sizes=sizes, stats=self._sliced_stats
+            )
+        self._sliced_stats = None
+        handle = self._ring.open(leaves, m, indices)
+        return RingIterator(self, flat, tensor_pos, spec, handle=handle)
 
-    __call__ = stream
+    def __call__(self, *args: Any, **kwargs: Any) -> RingIterator:
+        """Deprecated spelling of :meth:`stream`."""
+        warnings.warn(
+            "StreamRing(...)(batch, m) is deprecated; call ring.stream(batch, m)", DeprecationWarning, stacklevel=2
+        )
+        return self.stream(*args, **kwargs)
 
     def stats(self) -> dict:
         """Totals of the most recent stream: stage_s (worker staging time), wait_s
-        (time the consumer waited for data), micro_batches, bytes (bytes staged)."""
-        if self._view_stats is not None:
-            return dict(self._view_stats)
+        (time the consumer waited for data), micro_batches, bytes (bytes handed out),
+        staged_bytes (bytes the worker copied), planned_micro_batches."""
+        if self._sliced_stats is not None:
+            return dict(self._sliced_stats)
         return dict(self._ring.stats())
 
     def close(self) -> None:
@@ -240,4 +329,4 @@ class StreamRing:
         self._ring.close()
 
     def __repr__(self) -> str:
-        return f"StreamRing(device={str(self.device)!r}, slots={self.slots})"
+        return f"StreamRing(device={str(self.device)!r}, slots={self.slots}, staging_threads={self.staging_threads})"

@@ -86,16 +86,53 @@ def assert_same(got, want, device="cpu"):
         assert got == want
 
 
+def balanced_ranges(n: int, m: int) -> list[tuple[int, int]]:
+    """Reference for the balanced split, written from its definition: k = ceil(n/m)
+    micro-batches, the first n % k one row longer than the rest."""
+    k = -(-n // m)
+    sizes = [n // k + (1 if j < n % k else 0) for j in range(k)]
+    starts = [sum(sizes[:j]) for j in range(k)]
+    return [(a, a + b) for a, b in zip(starts, sizes, strict=True)]
+
+
 def check_stream(ring, batch, n, m, device="cpu"):
     it = ring.stream(batch, m)
     count = 0
+    ranges = balanced_ranges(n, m)
     for j, mb in enumerate(it):
-        start, stop = j * m, min((j + 1) * m, n)
+        start, stop = ranges[j]
         assert it.index == j and it.rows == (start, stop)
         assert_same(mb, take(batch, start, stop), device)
         count += 1
-    assert count == -(-n // m)
+    assert count == len(ranges) == -(-n // m)
     return count
+
+
+def test_split_sizes_balanced():
+    from mbs_ext.ring import split_sizes
+
+    assert split_sizes(10, 4) == [4, 3, 3]
+    assert split_sizes(8, 4) == [4, 4]
+    assert split_sizes(1, 64) == [1]
+    assert split_sizes(0, 3) == []
+    for n in range(1, 80):
+        for m in range(1, n + 2):
+            sizes = split_sizes(n, m)
+            assert [b - a for a, b in balanced_ranges(n, m)] == sizes
+            assert max(sizes) <= m and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        split_sizes(5, 0)
+
+
+def test_split_sizes_agrees_with_batch_module():
+    batch_mod = pytest.importorskip("mbs_ext.batch")
+    if not hasattr(batch_mod, "split_sizes"):
+        pytest.skip("mbs_ext.batch.split_sizes is not on this branch yet")
+    from mbs_ext.ring import split_sizes
+
+    for n in range(1, 60):
+        for m in range(1, n + 2):
+            assert batch_mod.split_sizes(n, m) == split_sizes(n, m)
 
 
 @pytest.mark.parametrize("n", [1, 7, 33])
@@ -119,7 +156,7 @@ def test_single_tensor_and_non_contiguous():
     t = base.t()  # 10 rows, non-contiguous
     ring = StreamRing("cpu")
     out = list(ring.stream(t, 3))
-    assert [o.shape[0] for o in out] == [3, 3, 3, 1]
+    assert [o.shape[0] for o in out] == [3, 3, 2, 2]
     assert torch.equal(torch.cat(out), t)
     assert all(o.is_contiguous() for o in out)
 
@@ -138,9 +175,11 @@ def test_indices_repeats_and_random_order():
     ring = StreamRing("cpu")
     it = ring.stream(data, 10, indices=idx)
     got = []
+    ranges = balanced_ranges(123, 10)
     for j, mb in enumerate(it):
-        assert it.index == j and it.rows == (j * 10, min(j * 10 + 10, 123))
-        assert_same(mb, gather(data, idx[j * 10 : (j + 1) * 10]))
+        start, stop = ranges[j]
+        assert it.index == j and it.rows == (start, stop)
+        assert_same(mb, gather(data, idx[start:stop]))
         got.append(mb)
     assert len(got) == 13
     assert ring.stats()["micro_batches"] == 13
@@ -379,6 +418,38 @@ def test_ring_validation():
 def test_cuda_leaf_rejected():
     with pytest.raises(ValueError, match="CPU"):
         StreamRing("cpu").stream(torch.zeros(4, device="cuda"), 2)
+    with pytest.raises(ValueError, match="one device"):
+        StreamRing("cuda").stream([torch.zeros(4, device="cuda"), torch.zeros(4)], 2)
+
+
+@needs_cuda
+def test_cuda_batch_on_device_is_sliced_in_place():
+    data = torch.arange(30.0, device="cuda").reshape(10, 3)
+    ring = StreamRing("cuda")
+    it = ring.stream(data, 4)
+    views = list(it)
+    assert [v.shape[0] for v in views] == [4, 3, 3] and it.rows == (7, 10)
+    assert all(v.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() for v in views)
+    assert torch.equal(torch.cat(views), data)
+    idx = torch.tensor([9, 0, 0, 5, 2])
+    out = list(ring.stream(data, 2, indices=idx))
+    assert torch.equal(torch.cat(out), data[idx.cuda()])
+    assert ring.stats()["staged_bytes"] == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cuda_pinned_batch_is_copied_directly(threads):
+    data = {"x": torch.randn(37, 5, 7).pin_memory(), "y": torch.arange(37).pin_memory()}
+    ring = StreamRing("cuda", staging_threads=threads)
+    check_stream(ring, data, 37, 8, device="cuda")
+    stats = ring.stats()
+    assert stats["staged_bytes"] == 0 and stats["bytes"] == 37 * 35 * 4 + 37 * 8
+    idx = torch.randint(0, 37, (50,))
+    got = list(ring.stream(data, 8, indices=idx))  # gathers still go through the pinned slots
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat([g["x"] for g in got]).cpu(), data["x"][idx])
+    assert ring.stats()["staged_bytes"] > 0
 
 
 tensor_specs = st.lists(
@@ -417,7 +488,8 @@ def test_property_random_structures(specs, n, m, layout, use_indices, seed):
     if use_indices:
         idx = torch.randint(0, n, (int(torch.randint(1, 2 * n + 2, (1,), generator=gen)),), generator=gen)
         got = list(ring.stream(batch, m, indices=idx))
-        assert len(got) == -(-idx.numel() // m)
+        ranges = balanced_ranges(idx.numel(), m)
+        assert len(got) == len(ranges)
         for j, mb in enumerate(got):
             assert_same(mb, gather(batch, idx[j * m : (j + 1) * m]))
     else:
@@ -435,9 +507,10 @@ def test_cuda_correctness(m):
     check_stream(ring, data, 37, m, device="cuda")
     idx = torch.randint(0, 37, (90,))
     kept = list(ring.stream(data, m, indices=idx))
+    ranges = balanced_ranges(idx.numel(), m)
     torch.cuda.synchronize()
     for j, mb in enumerate(kept):  # stay valid after the iterator moved on
-        assert_same(mb, gather(data, idx[j * m : (j + 1) * m]), device="cuda")
+        assert_same(mb, gather(data, idx[ranges[j][0] : ranges[j][1]]), device="cuda")
 
 
 @needs_cuda
@@ -530,7 +603,7 @@ def test_copy_false_on_cpu_hands_out_views():
         assert mb["tag"] == "keep"
         assert mb["x"].untyped_storage().data_ptr() == data["x"].untyped_storage().data_ptr()
         got.append((it.index, it.rows, mb))
-    assert [(i, r) for i, r, _ in got] == [(0, (0, 4)), (1, (4, 8)), (2, (8, 10))]
+    assert [(i, r) for i, r, _ in got] == [(0, (0, 4)), (1, (4, 7)), (2, (7, 10))]
     assert torch.equal(torch.cat([mb["x"] for *_, mb in got]), data["x"])
     assert torch.equal(torch.cat([mb["y"] for *_, mb in got]), data["y"])
     stats = ring.stats()
@@ -543,3 +616,55 @@ def test_copy_false_with_indices_still_gathers():
     out = list(StreamRing("cpu").stream(data, 3, indices=idx, copy=False))
     assert torch.equal(torch.cat(out), data[idx])
     assert all(o.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() for o in out)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_staging_threads_exact_for_every_layout(threads):
+    gen = torch.Generator().manual_seed(threads)
+    base = torch.randn(40, 6, 9, generator=gen)
+    batch = {
+        "dense": base,
+        "strided_rows": base[:, :, :4],  # rows not contiguous: torch's copy path
+        "every_other": torch.randn(80, 3, 3, generator=gen)[::2],  # rows contiguous, stride(0) gapped
+        "expanded": torch.randn(1, 5, generator=gen).expand(40, 5),  # stride(0) == 0
+        "conj": torch.randn(40, 2, dtype=torch.complex64, generator=gen).conj(),
+        "wide": torch.randint(0, 255, (40, 70000), dtype=torch.uint8, generator=gen),  # splits across workers
+    }
+    ring = StreamRing("cpu", staging_threads=threads)
+    assert ring.staging_threads == threads
+    check_stream(ring, batch, 40, 7)
+    idx = torch.randint(0, 40, (61,), generator=gen)
+    ranges = balanced_ranges(61, 9)
+    for j, mb in enumerate(ring.stream(batch, 9, indices=idx)):
+        assert_same(mb, gather(batch, idx[ranges[j][0] : ranges[j][1]]))
+
+
+def test_staging_threads_argument_and_default():
+    assert StreamRing("cpu").staging_threads == 1
+    assert "staging_threads=1" in repr(StreamRing("cpu"))
+    for bad, exc in [(0, ValueError), (1000, ValueError), (2.0, TypeError), (True, TypeError)]:
+        with pytest.raises(exc, match="staging_threads"):
+            StreamRing("cpu", staging_threads=bad)
+
+
+def test_staging_threads_are_the_rings_own():
+    before = os_threads()
+    ring = StreamRing("cpu", staging_threads=3)
+    assert os_threads() == before + 2  # the caller's worker thread counts as the third
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = torch.randn(64, 1000)
+        assert torch.equal(torch.cat(list(ring.stream(data, 10))), data)
+    finally:
+        torch.set_num_threads(old)
+    del ring
+    gc.collect()
+    assert os_threads() == before
+
+
+def test_call_is_deprecated():
+    ring = StreamRing("cpu")
+    with pytest.warns(DeprecationWarning, match="stream"):
+        out = list(ring(torch.arange(5), 2))
+    assert torch.equal(torch.cat(out), torch.arange(5))

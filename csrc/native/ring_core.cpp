@@ -1,18 +1,33 @@
 #include "native/ring_core.h"
 
-#include <chrono>
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 
+#include "native/clock.h"
+
 namespace mbs::native {
 
-namespace {
-using Clock = std::chrono::steady_clock;
-
-int64_t ns_since(Clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+int64_t num_micro_batches(int64_t rows, int64_t m) {
+  if (rows < 0) throw std::invalid_argument("num_micro_batches: rows must be >= 0");
+  if (m < 1) throw std::invalid_argument("num_micro_batches: micro-batch size must be >= 1");
+  return rows / m + (rows % m != 0 ? 1 : 0);
 }
-}  // namespace
+
+std::pair<int64_t, int64_t> micro_batch_range(int64_t rows, int64_t m, int64_t item) {
+  const int64_t k = num_micro_batches(rows, m);
+  if (item < 0 || item >= k) throw std::out_of_range("micro_batch_range: item out of range");
+  const int64_t base = rows / k, extra = rows % k;
+  const int64_t start = item * base + std::min(item, extra);
+  return {start, start + base + (item < extra ? 1 : 0)};
+}
+
+std::vector<int64_t> split_sizes(int64_t rows, int64_t m) {
+  const int64_t k = num_micro_batches(rows, m);
+  std::vector<int64_t> sizes(static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) sizes[static_cast<size_t>(i)] = rows / k + (i < rows % k ? 1 : 0);
+  return sizes;
+}
 
 RingCore::RingCore(int slots, int64_t items, Produce produce)
     : items_(items), produce_(std::move(produce)) {

@@ -19,9 +19,18 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace mbs::native {
+
+// Balanced micro-batches: `rows` rows with micro-batch size m >= 1 make
+// k = ceil(rows / m) micro-batches whose sizes differ by at most one; the first
+// rows % k get rows / k + 1 rows. The same rule as mbs_ext.batch.split_sizes.
+int64_t num_micro_batches(int64_t rows, int64_t m);
+std::vector<int64_t> split_sizes(int64_t rows, int64_t m);
+// [start, stop) of micro-batch `item` under that rule (O(1)).
+std::pair<int64_t, int64_t> micro_batch_range(int64_t rows, int64_t m, int64_t item);
 
 class RingCore {
  public:

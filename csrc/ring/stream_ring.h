@@ -1,9 +1,17 @@
 // StreamRing: streams a host batch to a device in micro-batches, staged by a
-// background C++ worker thread through a fixed ring of slots (native::RingCore).
+// background C++ thread through a fixed ring of slots (native::RingCore). Staging
+// copies run on the ring's own WorkerPool (staging_threads), never on torch's
+// intra-op threads, so torch.set_num_threads does not change them.
+//
+// Micro-batches are balanced (native::split_sizes): sizes differ by at most one.
+//
+// One path for every device: the worker stages micro-batch i into slot i % slots
+// (or, from a pinned batch on a CUDA ring, takes a view: nothing to stage), and the
+// consumer hands it to a DeviceTransfer: HostTransfer on CPU, CudaTransfer on CUDA.
 //
 // Lifetime contract: every micro-batch handed out is a freshly allocated tensor
 // that the ring never writes again. On CPU the worker stages straight into fresh
-// tensors; on CUDA it stages into pinned host slots that are reused, and each
+// pooled tensors; on CUDA it stages into pinned host slots that are reused, and each
 // micro-batch is copied into fresh device tensors allocated on the consumer's
 // current stream.
 #pragma once
@@ -20,6 +28,8 @@
 #include <vector>
 
 #include "native/ring_core.h"
+#include "native/worker_pool.h"
+#include "ring/host_buffer_pool.h"
 
 namespace mbs {
 
@@ -29,34 +39,11 @@ struct RingStats {
   std::atomic<int64_t> wait_ns{0};
   std::atomic<int64_t> micro_batches{0};
   std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> staged_bytes{0};  // bytes the worker copied (0 for direct copies from pinned memory)
   std::atomic<int64_t> planned{0};
 };
 
-// Host memory for CPU micro-batches. A buffer comes back to the pool only when the
-// last reference to the tensor built on it is gone, so a handed-out micro-batch is
-// never overwritten; reusing freed buffers spares the page faults of fresh memory.
-class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
- public:
-  explicit HostBufferPool(size_t max_cached) : max_cached_(max_cached) {}
-  ~HostBufferPool();
-  HostBufferPool(const HostBufferPool&) = delete;
-  HostBufferPool& operator=(const HostBufferPool&) = delete;
-  // A contiguous CPU tensor on a pooled (or new) buffer; resizable like any other.
-  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype);
-  size_t cached() const;
-  // Caches up to n free buffers (never lowers the limit).
-  void cache_at_least(size_t n);
-
- private:
-  static void release(void* ctx);
-  void give_back(void* ptr, size_t nbytes);
-
-  mutable std::mutex mu_;
-  size_t max_cached_;
-  std::vector<std::pair<size_t, void*>> free_;
-};
-
-// One micro-batch whose host->device copy has been enqueued but not yet handed out.
+// One micro-batch on its way to the consumer.
 struct DeviceBatch {
   int64_t item = -1;
   int slot = -1;
@@ -64,33 +51,38 @@ struct DeviceBatch {
   c10::Stream alloc_stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
 };
 
-// The device side of the ring (CUDA: copy stream, per-slot events, pinned slots).
+// Where staged micro-batches go: HostTransfer (CPU) or CudaTransfer.
 class DeviceTransfer {
  public:
   virtual ~DeviceTransfer() = default;
-  // Worker thread: pinned host tensor for staging.
-  virtual at::Tensor alloc_pinned(at::IntArrayRef shape, at::ScalarType dtype) = 0;
-  // Worker thread: blocks until the last copy out of `slot` has finished.
+  // Whether rows of this batch tensor must be copied by the worker; false when the
+  // transfer can read the batch itself (a pinned batch on a CUDA ring).
+  virtual bool needs_staging(const at::Tensor& leaf) const = 0;
+  // Worker thread: a contiguous host tensor to stage leaf `leaf` of slot `slot` into.
+  virtual at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  // Worker thread: blocks until nothing reads `slot`'s staging memory any more.
   virtual void wait_copied(int slot) = 0;
-  // Consumer: allocates device tensors on the current stream and enqueues the copy
-  // of the staged host tensors on the copy stream.
-  virtual DeviceBatch enqueue(int64_t item, int slot, const std::vector<at::Tensor>& host) = 0;
-  // Consumer: makes the current stream wait for the batch's copy (device-side only).
+  // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
+  // tensors on the current stream, copy enqueued on the copy stream).
+  virtual DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) = 0;
+  // Consumer: makes the batch usable on the current stream (device-side waits only).
   virtual void deliver(DeviceBatch& batch) = 0;
-  // Consumer: drops a batch that will never be handed out, after its copy.
+  // Consumer: drops a batch that will never be handed out, safely for its memory.
   virtual void discard(DeviceBatch& batch) = 0;
 };
 
-std::unique_ptr<DeviceTransfer> make_device_transfer(c10::Device device, int slots);
+std::unique_ptr<DeviceTransfer> make_host_transfer(std::shared_ptr<HostBufferPool> pool);
+std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int slots);  // needs a CUDA build
 
-class RingStream {
+// One stream of micro-batches over one batch (Python: mbs_ext.RingIterator).
+class RingIterator {
  public:
-  RingStream(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
-             std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
-             std::shared_ptr<HostBufferPool> pool);
-  ~RingStream();
-  RingStream(const RingStream&) = delete;
-  RingStream& operator=(const RingStream&) = delete;
+  RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
+               std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
+               std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers);
+  ~RingIterator();
+  RingIterator(const RingIterator&) = delete;
+  RingIterator& operator=(const RingIterator&) = delete;
 
   // The next micro-batch (one tensor per leaf), or nullopt after the last one.
   // Rethrows a worker failure at the micro-batch it concerns.
@@ -107,28 +99,22 @@ class RingStream {
 
  private:
   void stage(int64_t item, int slot);  // worker thread
-  std::pair<int64_t, int64_t> range_of(int64_t item) const;
-  void sync_stats();
   void close_locked();
 
-  const c10::Device device_;
   const std::vector<at::Tensor> leaves_;
   const int64_t micro_batch_size_;
   const at::Tensor indices_;  // undefined: rows in order
   const int64_t total_rows_;
   const int64_t items_;
   const std::shared_ptr<RingStats> stats_;
-  const std::shared_ptr<HostBufferPool> pool_;
+  const std::shared_ptr<native::WorkerPool> workers_;
   std::unique_ptr<DeviceTransfer> transfer_;
   // Per slot: what the worker staged (handed over through the core's protocol).
   std::vector<std::vector<at::Tensor>> staged_;
-  // Per slot and leaf: reusable pinned staging buffers (CUDA only; worker-owned).
-  std::vector<std::vector<at::Tensor>> pinned_;
 
   mutable std::mutex mu_;  // consumer side: next()/close() from any thread
   bool closed_ = false;
   bool superseded_ = false;
-  int held_slot_ = -1;
   std::optional<DeviceBatch> pending_;
   int64_t index_ = -1;
   std::pair<int64_t, int64_t> rows_{0, 0};
@@ -137,27 +123,29 @@ class RingStream {
 
 class StreamRing {
  public:
-  StreamRing(c10::Device device, int slots);
+  StreamRing(c10::Device device, int slots, int staging_threads);
   ~StreamRing();
   StreamRing(const StreamRing&) = delete;
   StreamRing& operator=(const StreamRing&) = delete;
 
   // Starts a stream; a previous stream still open on this ring is closed first.
-  std::shared_ptr<RingStream> open(std::vector<at::Tensor> leaves, int64_t micro_batch_size,
-                                   std::optional<at::Tensor> indices);
+  std::shared_ptr<RingIterator> open(std::vector<at::Tensor> leaves, int64_t micro_batch_size,
+                                     std::optional<at::Tensor> indices);
   std::shared_ptr<RingStats> stats() const;
   void close();
 
   c10::Device device() const { return device_; }
   int slots() const { return slots_; }
+  int staging_threads() const { return workers_->threads(); }
 
  private:
   const c10::Device device_;
   const int slots_;
   mutable std::mutex mu_;
-  std::weak_ptr<RingStream> current_;
+  std::weak_ptr<RingIterator> current_;
   std::shared_ptr<RingStats> stats_;
   std::shared_ptr<HostBufferPool> pool_;
+  std::shared_ptr<native::WorkerPool> workers_;
 };
 
 }  // namespace mbs

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "native/accumulate.h"
-#include "native/check.h"
+#include "native/tests/check.h"
 
 using namespace mbs::native;
 

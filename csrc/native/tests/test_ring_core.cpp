@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "native/check.h"
+#include "native/tests/check.h"
 #include "native/ring_core.h"
 
 using mbs::native::RingCore;

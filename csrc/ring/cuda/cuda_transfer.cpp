@@ -1,9 +1,14 @@
 // CUDA side of the streaming ring: a dedicated copy stream from the pool, one
-// "copied" event per pinned slot, and device tensors allocated on the consumer's
-// current stream (so the caching allocator needs no record_stream in the usual case).
+// "copied" event per slot, reusable pinned staging memory per slot (sized in
+// bytes), and device tensors allocated on the consumer's current stream, so the
+// caching allocator needs no record_stream. The copy stream waits on compute only
+// through events recorded on the consumer's stream when a copy is enqueued.
+#include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
 
 #include <vector>
@@ -22,6 +27,7 @@ class CudaTransfer final : public DeviceTransfer {
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     copied_.assign(static_cast<size_t>(slots), nullptr);
     recorded_.assign(static_cast<size_t>(slots), 0);
+    pinned_.resize(static_cast<size_t>(slots));
     for (auto& ev : copied_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
 
@@ -34,9 +40,23 @@ class CudaTransfer final : public DeviceTransfer {
     if (ready_) (void)cudaEventDestroy(ready_);
   }
 
-  at::Tensor alloc_pinned(at::IntArrayRef shape, at::ScalarType dtype) override {
-    c10::cuda::CUDAGuard guard(device_);
-    return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true));
+  // A pinned batch is read by the copy engine directly: no memcpy into a slot.
+  bool needs_staging(const at::Tensor& leaf) const override { return !leaf.is_pinned(); }
+
+  at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) override {
+    // Worker thread only. The slot's byte buffer for this leaf grows when needed;
+    // with balanced micro-batches the first one is the largest, so it never does.
+    auto& bufs = pinned_[static_cast<size_t>(slot)];
+    if (bufs.size() <= leaf) bufs.resize(leaf + 1);
+    const int64_t nbytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+    at::Tensor& buf = bufs[leaf];
+    if (!buf.defined() || buf.numel() < nbytes) {
+      c10::cuda::CUDAGuard guard(device_);
+      buf = at::empty({std::max<int64_t>(nbytes, 1)},
+                      at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(true));
+    }
+    return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
+        .set_(buf.storage(), 0, shape, c10::contiguous_strides(shape));
   }
 
   void wait_copied(int slot) override {
@@ -47,7 +67,7 @@ class CudaTransfer final : public DeviceTransfer {
     C10_CUDA_CHECK(cudaEventSynchronize(copied_[static_cast<size_t>(slot)]));
   }
 
-  DeviceBatch enqueue(int64_t item, int slot, const std::vector<at::Tensor>& host) override {
+  DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) override {
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     DeviceBatch batch;
@@ -75,8 +95,16 @@ class CudaTransfer final : public DeviceTransfer {
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), copied_[static_cast<size_t>(batch.slot)], 0));
     if (current.unwrap() != batch.alloc_stream) {
-      // The caller switched streams since the copy was enqueued: tell the allocator.
-      for (auto& t : batch.tensors) t.record_stream(current.unwrap());
+      // The caller switched streams since the copy was enqueued. Rather than
+      // record_stream, copy into memory owned by the current stream and free the
+      // originals on their own stream once that copy (and so the transfer) is done.
+      std::vector<at::Tensor> own;
+      own.reserve(batch.tensors.size());
+      for (const auto& t : batch.tensors) own.push_back(t.clone());
+      const c10::cuda::CUDAStream alloc(c10::cuda::CUDAStream::UNCHECKED, batch.alloc_stream);
+      C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(alloc.stream(), ready_, 0));
+      batch.tensors = std::move(own);
     }
   }
 
@@ -94,11 +122,12 @@ class CudaTransfer final : public DeviceTransfer {
   cudaEvent_t ready_ = nullptr;
   std::vector<cudaEvent_t> copied_;
   std::vector<char> recorded_;
+  std::vector<std::vector<at::Tensor>> pinned_;  // per slot and leaf: pinned bytes (worker-owned)
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceTransfer> make_device_transfer(c10::Device device, int slots) {
+std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int slots) {
   return std::make_unique<CudaTransfer>(device, slots);
 }
 

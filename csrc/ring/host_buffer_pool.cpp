@@ -1,0 +1,76 @@
+#include "ring/host_buffer_pool.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
+
+#include <algorithm>
+
+namespace mbs {
+
+namespace {
+struct PooledBuffer {
+  std::shared_ptr<HostBufferPool> pool;
+  void* ptr;
+  size_t nbytes;
+};
+}  // namespace
+
+HostBufferPool::~HostBufferPool() {
+  for (auto& [nbytes, ptr] : free_) c10::GetCPUAllocator()->raw_deallocate(ptr);
+}
+
+size_t HostBufferPool::cached() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return free_.size();
+}
+
+void HostBufferPool::cache_at_least(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  max_cached_ = std::max(max_cached_, n);
+}
+
+void HostBufferPool::release(void* ctx) {
+  auto* buf = static_cast<PooledBuffer*>(ctx);
+  buf->pool->give_back(buf->ptr, buf->nbytes);
+  delete buf;
+}
+
+void HostBufferPool::give_back(void* ptr, size_t nbytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < max_cached_) {
+      free_.emplace_back(nbytes, ptr);
+      return;
+    }
+  }
+  c10::GetCPUAllocator()->raw_deallocate(ptr);
+}
+
+at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
+  const int64_t numel = c10::multiply_integers(shape);
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].first == nbytes) {
+        ptr = free_[i].second;
+        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  }
+  if (ptr == nullptr) ptr = c10::GetCPUAllocator()->raw_allocate(std::max<size_t>(nbytes, 1));
+  auto* ctx = new PooledBuffer{shared_from_this(), ptr, nbytes};
+  c10::DataPtr data(ptr, ctx, &HostBufferPool::release, c10::Device(c10::kCPU));
+  // Resizable with the CPU allocator: growing the tensor later moves it to new
+  // memory and hands this buffer back to the pool.
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                       std::move(data), c10::GetCPUAllocator(), /*resizable=*/true);
+  return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
+      .set_(c10::Storage(std::move(storage)), 0, shape, c10::contiguous_strides(shape));
+}
+
+}  // namespace mbs

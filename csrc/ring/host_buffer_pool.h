@@ -1,0 +1,40 @@
+// HostBufferPool: host memory for CPU micro-batches.
+//
+// A buffer comes back to the pool only when the last reference to the tensor built
+// on it is gone, so a handed-out micro-batch is never overwritten; reusing freed
+// buffers spares the page faults of fresh memory. At most max_cached free buffers
+// are kept, so the pool's memory is bounded by the ring's depth.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace mbs {
+
+class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
+ public:
+  explicit HostBufferPool(size_t max_cached) : max_cached_(max_cached) {}
+  ~HostBufferPool();
+  HostBufferPool(const HostBufferPool&) = delete;
+  HostBufferPool& operator=(const HostBufferPool&) = delete;
+  // A contiguous CPU tensor on a pooled (or new) buffer; resizable like any other.
+  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype);
+  size_t cached() const;
+  // Caches up to n free buffers (never lowers the limit).
+  void cache_at_least(size_t n);
+
+ private:
+  static void release(void* ctx);
+  void give_back(void* ptr, size_t nbytes);
+
+  mutable std::mutex mu_;
+  size_t max_cached_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
+}  // namespace mbs

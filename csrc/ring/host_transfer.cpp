@@ -1,0 +1,45 @@
+// CPU side of the streaming ring: micro-batches are staged straight into fresh
+// buffers from the ring's HostBufferPool and handed out as they are. Nothing is
+// copied after staging, so there is nothing to wait for.
+#include <utility>
+
+#include "ring/stream_ring.h"
+
+namespace mbs {
+
+namespace {
+
+class HostTransfer final : public DeviceTransfer {
+ public:
+  explicit HostTransfer(std::shared_ptr<HostBufferPool> pool) : pool_(std::move(pool)) {}
+
+  bool needs_staging(const at::Tensor& /*leaf*/) const override { return true; }  // fresh tensors promised
+
+  at::Tensor staging_buffer(int /*slot*/, size_t /*leaf*/, at::IntArrayRef shape, at::ScalarType dtype) override {
+    return pool_->empty(shape, dtype);  // handed out as is: a new buffer every time
+  }
+
+  void wait_copied(int /*slot*/) override {}
+
+  DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) override {
+    DeviceBatch batch;
+    batch.item = item;
+    batch.slot = slot;
+    batch.tensors = std::move(host);
+    return batch;
+  }
+
+  void deliver(DeviceBatch& /*batch*/) override {}
+  void discard(DeviceBatch& batch) override { batch.tensors.clear(); }
+
+ private:
+  const std::shared_ptr<HostBufferPool> pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceTransfer> make_host_transfer(std::shared_ptr<HostBufferPool> pool) {
+  return std::make_unique<HostTransfer>(std::move(pool));
+}
+
+}  // namespace mbs
