@@ -28,7 +28,7 @@ from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext.snapshot import Snapshot
 
-CUDA_SAFETY_FACTOR = 0.8  # share of the free device memory "auto" plans for by default
+CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by default
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,37 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
 
 
+def cuda_room(*, total: int, fraction: float, allocated: int, reserved: int, free: int) -> int:
+    """Bytes this process can still allocate on a CUDA device.
+
+    The smaller of two limits: the per-process cap (``total * fraction`` as set by
+    ``torch.cuda.set_per_process_memory_fraction``, minus what this process's tensors
+    already occupy), and what the device itself can still give (its free memory plus
+    what the caching allocator holds but does not use).
+    """
+    under_cap = int(total * fraction) - allocated
+    on_device = free + (reserved - allocated)
+    return max(0, min(under_cap, on_device))
+
+
 def default_budget(device: torch.device, memory_budget: int | None) -> int:
-    """The budget to plan for: the caller's, or on CUDA the free memory times a safety factor."""
+    """The budget to plan for: the caller's, or on CUDA :func:`cuda_room` times a margin.
+
+    The planner measures the real peak, so the margin only covers what it cannot see:
+    allocator rounding and fragmentation, and cuBLAS/cuDNN workspaces created later.
+    """
     _checks.check_memory_budget(memory_budget)
     if memory_budget is not None:
         return int(memory_budget)
     if device.type == "cuda":
-        # Memory the caching allocator holds but does not use is available too.
-        free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int((free + cached) * CUDA_SAFETY_FACTOR)
+        free, total = torch.cuda.mem_get_info(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
+        room = cuda_room(
+            total=total, fraction=fraction, allocated=torch.cuda.memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device), free=free,
+        )
+        return int(room * CUDA_SAFETY_FACTOR)
     raise ValueError(
         f"micro_batch_size='auto' on {device.type} needs memory_budget (bytes available to the step); "
         "only CUDA devices report their free memory"

@@ -250,3 +250,82 @@ def test_is_out_of_memory():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("can't allocate memory"))
+
+
+# --- the measured-peak planner ----------------------------------------------------------------------
+
+
+def test_peak_tracker_counts_live_storages_once():
+    from mbs_ext.memory import PeakTracker
+
+    with PeakTracker() as t:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.empty(500, dtype=torch.float64)  # 4000 bytes
+        view = a[:10]  # no new storage
+        a.add_(1.0)  # in place: no new storage
+        assert t.live == 8000 and t.peak == 8000
+        del a  # the view keeps the storage alive
+        assert t.live == 8000
+        del view
+        assert t.live == 4000
+        c = torch.empty(250)  # 1000 bytes
+        assert t.live == 5000 and t.peak == 8000
+    del b, c
+
+
+class TinyUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.mid = nn.Sequential(
+            nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2)
+        )
+        self.out = nn.Conv2d(24, 5, 1)
+
+    def forward(self, x):
+        a = self.down(x)
+        return self.out(torch.cat([a, self.mid(a)], 1)).mean((2, 3))
+
+
+def wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 5))
+
+
+@pytest.mark.parametrize(
+    "make, shape, budget",
+    [(wide_mlp, (32,), 1 << 20), (cnn, (3, 16, 16), 1 << 20), (cnn, (3, 16, 16), 4 << 20),
+     (TinyUNet, (3, 16, 16), 1 << 20), (TinyUNet, (3, 16, 16), 4 << 20)],
+    ids=["mlp-1M", "cnn-1M", "cnn-4M", "unet-1M", "unet-4M"],
+)
+def test_auto_peak_is_within_budget_and_uses_it(make, shape, budget):
+    """The measured peak of a whole "auto" step (CPU, live bytes at the dispatcher) lands in
+    0.85-1.0 x the budget, with no out-of-memory back-off."""
+    from mbs_ext.memory import PeakTracker
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = data(shape, n=400)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a back-off would warn
+        first = mbs_ext.step(model, opt, batch, ce, micro_batch_size="auto", memory_budget=budget)
+        m = first.micro_batch_size
+        # The plan is cached per signature; a batch of exactly 3m rows streams micro-batches of m
+        # (400 rows would be split evenly into smaller ones).
+        again = data(shape, n=3 * m, seed=2)
+        with PeakTracker() as tracker:
+            second = mbs_ext.step(model, opt, again, ce, micro_batch_size="auto", memory_budget=budget)
+    assert m == second.micro_batch_size < 400 and second.num_micro_batches == 3
+    assert 0.85 * budget <= tracker.peak <= budget, (second.micro_batch_size, tracker.peak / budget)
+
+
+def test_cuda_room_honours_the_process_cap():
+    from mbs_ext.memory import cuda_room
+
+    gib = 1 << 30
+    # An 80 GiB device capped at 4 GiB with 1 GiB of live tensors: 3 GiB, not the free 70.
+    assert cuda_room(total=80 * gib, fraction=0.05, allocated=gib, reserved=2 * gib, free=70 * gib) == 3 * gib
+    # Uncapped: the device's free memory plus the allocator's unused cache.
+    assert cuda_room(total=80 * gib, fraction=1.0, allocated=gib, reserved=2 * gib, free=10 * gib) == 11 * gib
+    assert cuda_room(total=8 * gib, fraction=0.1, allocated=2 * gib, reserved=2 * gib, free=6 * gib) == 0
