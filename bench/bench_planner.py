@@ -1,0 +1,132 @@
+"""Planner accuracy: the measured peak of an ``"auto"`` step against the budget it was given.
+
+For each model and budget, the planned micro-batch size, then the peak of a whole step at
+that size (a batch of exactly 3 micro-batches, so the split does not shrink them): on CPU
+live bytes at the dispatcher (``mbs_ext.memory.PeakTracker``), on CUDA the caching
+allocator's ``max_memory_allocated`` above what was allocated before the step. Also the
+step's peak over a plain step of the same micro-batch (``zero_grad``; backward; ``step``
+with no streaming), which is what mbs_ext itself costs. Target: peak / budget in
+0.85-1.0, no out-of-memory back-off.
+
+    python -m pytest bench/bench_planner.py -q -s     # CPU rows; CUDA rows where a GPU exists
+
+Writes ``planner.json``/``.md`` to ``$MBS_BENCH_OUT`` (default ``bench/results/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import mbs_ext
+from mbs_ext.memory import PeakTracker
+
+OUT = Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results"))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )
+
+
+class UNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.mid = nn.Sequential(
+            nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2)
+        )
+        self.out = nn.Conv2d(48, 10, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.down(x)
+        return self.out(torch.cat([a, self.mid(a)], 1)).mean((2, 3))
+
+
+MODELS = {"mlp": (mlp, (64,)), "cnn": (cnn, (3, 32, 32)), "unet": (UNet, (3, 32, 32))}
+
+
+def ce(model: nn.Module, mb) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(mb[0]), mb[1])
+
+
+def data(shape, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def peak_of(fn, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with PeakTracker() as tracker:
+        fn()
+    return tracker.peak
+
+
+def row(name: str, budget: int, device: torch.device) -> dict:
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = mbs_ext.step(model, opt, data(shape, 4096), ce, micro_batch_size="auto",
+                         memory_budget=budget).micro_batch_size
+        batch = data(shape, 3 * m, seed=1)
+        step_peak = peak_of(lambda: mbs_ext.step(model, opt, batch, ce, micro_batch_size="auto",
+                                                 memory_budget=budget), device)
+    backoffs = sum("out of memory" in str(w.message) for w in caught)
+    mb = [t[:m].to(device) for t in batch]
+    opt.zero_grad(set_to_none=True)
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        ce(model, mb).backward()
+        opt.step()
+
+    plain()  # the same state as the step's: gradients exist
+    plain_peak = peak_of(plain, device)
+    return {"device": device.type, "model": name, "budget_MiB": budget / 2**20, "micro_batch": m,
+            "peak/budget": round(step_peak / budget, 3), "step/plain_peak": round(step_peak / max(plain_peak, 1), 3),
+            "backoffs": backoffs}
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    (out / "planner.json").write_text(json.dumps({"study": "planner", **meta, "rows": rows}, indent=2) + "\n")
+    cols = list(rows[0])
+    lines = ["# planner", "", f"torch {meta['torch']}, GPU {meta['gpu']}", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    (out / "planner.md").write_text("\n".join(lines) + "\n")
+
+
+def test_planner_accuracy() -> None:
+    rows = [row(name, budget, torch.device("cpu")) for name in MODELS for budget in (4 << 20, 16 << 20)]
+    if torch.cuda.is_available():
+        rows += [row(name, budget, torch.device("cuda")) for name in MODELS for budget in (64 << 20, 512 << 20)]
+    write(rows, OUT)
+    for r in rows:
+        print(r)
+    assert all(r["backoffs"] == 0 for r in rows)
+
+
+if __name__ == "__main__":
+    test_planner_accuracy()
