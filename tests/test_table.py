@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("sklearn")
 
@@ -81,3 +82,25 @@ def test_main_tiny(tmp_path, capsys):
     assert all(r["mbs"]["ok"] for r in data["rows"])
     assert data["rows"][0]["full"]["ok"] and not data["rows"][1]["full"]["ok"]
     assert "Failed" in md and "Failed" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_gpu_table_without_cuda_is_a_clear_error(capsys):
+    assert table.main(["--device", "cuda", "--model", "resnet50", "--cap-gib", "4"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_table_bisects_the_largest_full_batch(monkeypatch):
+    """The search finds the limit with few children, whatever it is."""
+    from mbs_ext.apps import table_gpu
+
+    for limit in (1, 7, 45, 300):
+        calls = []
+
+        def fake_run(cfg, timeout_s, limit=limit, calls=calls):
+            calls.append(cfg["batch"])
+            return {"oom": cfg["batch"] > limit}
+
+        monkeypatch.setattr(table_gpu, "_run", fake_run)
+        found = table_gpu.largest_full_batch({}, 1.0)
+        assert limit - limit // 32 <= found <= limit and len(calls) <= 16, (limit, found, calls)

@@ -389,7 +389,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
-    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=None, help="default: 32 on cpu, 224 on cuda")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the miniature under an OS memory cap; cuda: ResNet-type models under a CUDA cap")
+    p.add_argument("--model", default="resnet50", help="--device cuda: a torchvision model name")
+    p.add_argument("--cap-gib", type=float, default=4.0, help="--device cuda: per-process CUDA memory cap")
+    p.add_argument("--rounds", type=int, default=3, help="--device cuda: interleaved rounds (medians)")
+    p.add_argument("--steps", type=int, default=3, help="--device cuda: timed steps per run")
+    p.add_argument("--child-timeout", type=float, default=300, help=argparse.SUPPRESS)
     # Child-process options (internal).
     p.add_argument("--child", choices=("calibrate", "row"), help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
@@ -401,6 +408,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.device == "cuda":
+        from mbs_ext.apps import table_gpu
+
+        args.image_size = args.image_size or 224
+        if args.out == "mbs_table":
+            args.out = "mbs_table_gpu"
+        return table_gpu.main(args)
+    args.image_size = args.image_size or 32
     if args.child:
         args.mode = args.child
         return _child(args)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One command for a GPU machine with torch and nvcc preinstalled and no network:
+# build the extension in place for the local GPU, run the whole test suite, then the GPU
+# studies and the GPU Table 4 (when torchvision is installed), writing everything to
+# ${OUT:-bench/results/gpu}.
+#
+#   bash scripts/gpu_check.sh              # results in bench/results/gpu/
+#   OUT=/some/dir bash scripts/gpu_check.sh
+#
+# Keeps going after a failing part, prints a summary, exits non-zero if any part failed.
+# Each part has its own time limit so that the whole run fits in about nine minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-$ROOT/bench/results/gpu}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export MBS_BENCH_OUT="$OUT" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+declare -a SUMMARY=()
+FAILED=0
+
+part() {  # part NAME LIMIT_S COMMAND...: run one part, log it, record how it went
+  local name="$1" limit="$2"; shift 2
+  printf '\n=== %s (limit %ss) ===\n' "$name" "$limit"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  local verdict="ok"
+  [ "$rc" -eq 0 ] || { verdict="FAILED (exit $rc)"; FAILED=1; }
+  [ "$rc" -eq 124 ] && verdict="TIMED OUT after ${limit}s"
+  SUMMARY+=("$(printf '%-22s %-24s %4ss' "$name" "$verdict" "$((SECONDS - t0))")")
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "nvidia-smi: not found"
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())'
+  nvcc --version 2>&1 | tail -n 1
+  git rev-parse HEAD 2>/dev/null || true
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: torch sees no CUDA device here; nothing to check" >&2
+  exit 2
+fi
+ARCH="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+
+part build 300 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA=1 \
+  "$PY" setup.py build_ext --inplace
+"$PY" -c 'import json, mbs_ext; print(json.dumps(mbs_ext.build_info()))' >> "$OUT/env.txt" 2>&1
+
+part tests 420 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
+for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu bench_planner; do
+  [ -f "bench/$study.py" ] && part "$study" 150 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
+done
+if "$PY" -c 'import torchvision' > /dev/null 2>&1; then
+  part table_gpu 240 "$PY" -m mbs_ext table --device cuda --model resnet50 --cap-gib 4 --rounds 1 --out "$OUT/table"
+else
+  SUMMARY+=("table_gpu              skipped (no torchvision)")
+fi
+
+printf '\n=== summary (results in %s) ===\n' "$OUT"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+exit "$FAILED"
