@@ -14,6 +14,10 @@ thread stages on the other core, the machine has 2):
   ring    StreamRing('cpu').stream(dataset, m, indices=idx) feeding compute
 
 Target: ring <= 1.1 * max(S, C) per micro-batch (serial is about S + C).
+
+Also: the ring's staging alone (no compute) in GB/s with ``staging_threads`` 1 and 2,
+for a gather by indices and a contiguous copy -- the ring's own pool, measured here
+after ``torch.set_num_threads(1)`` to show it does not follow torch's thread count.
 Results go to bench/results/ring.json and bench/results/ring.md.
 
 Run:  python -m pytest bench/bench_ring.py -q    (pytest-benchmark)
@@ -160,6 +164,29 @@ def measure(rounds: int = ROUNDS) -> dict:
     }
 
 
+def staging_scaling(rounds: int = 5, threads: tuple[int, ...] = (1, 2)) -> dict:
+    """GB/s of the ring's staging alone vs staging_threads (median of rounds)."""
+    gen = torch.Generator().manual_seed(1)
+    dataset = torch.randint(0, 256, (N_IMAGES, 3, IMAGE, IMAGE), dtype=torch.uint8, generator=gen)
+    indices = torch.randint(0, N_IMAGES, (MICRO_BATCH * MICRO_BATCHES,), generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict = {}
+    try:
+        for t in threads:
+            ring = StreamRing("cpu", staging_threads=t)
+            for name, kwargs in (("gather", {"indices": indices}), ("copy", {})):
+                samples = []
+                for _ in range(rounds + 1):  # the first is a warm-up
+                    t0 = time.perf_counter()
+                    nbytes = sum(mb.nbytes for mb in ring.stream(dataset, MICRO_BATCH, **kwargs))
+                    samples.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                out[f"{name}, {t} staging threads"] = statistics.median(samples[1:])
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
 def write_results(result: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "ring.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -190,11 +217,21 @@ def write_results(result: dict) -> None:
         f"Target ring <= 1.1 x max(S, C): {'met' if result['target_met'] else 'NOT met'}.",
         "",
     ]
+    if "staging_GBps" in result:
+        lines += [
+            "## Staging threads (the ring's staging alone, `torch.set_num_threads(1)`)",
+            "",
+            "| staging | GB/s |",
+            "|---|---:|",
+            *[f"| {k} | {v:.2f} |" for k, v in result["staging_GBps"].items()],
+            "",
+        ]
     (RESULTS / "ring.md").write_text("\n".join(lines))
 
 
 def test_bench_ring(benchmark) -> None:
     result = benchmark.pedantic(measure, rounds=1, iterations=1)
+    result["staging_GBps"] = staging_scaling()
     write_results(result)
     benchmark.extra_info.update(result["ms_per_micro_batch"])
     benchmark.extra_info.update(result["ratios"])
@@ -208,5 +245,6 @@ def test_bench_ring(benchmark) -> None:
 
 if __name__ == "__main__":
     res = measure()
+    res["staging_GBps"] = staging_scaling()
     write_results(res)
     print(json.dumps({k: res[k] for k in ("ms_per_micro_batch", "ratios")}, indent=2))

@@ -65,3 +65,25 @@ def test_soak():
     )
     assert len(set(thread_counts)) == 1, thread_counts
     assert per_step < 1024, f"resident memory grows {per_step:.0f} bytes/step"
+
+
+def test_soak_ring_staging_threads():
+    """1,000 streams through one ring with 2 staging threads (gathers and copies, some
+    broken off early): resident memory flat, thread count constant, pool bounded."""
+    ring = mbs_ext.StreamRing("cpu", staging_threads=2)
+    data = (torch.randn(2048, 256), torch.randint(0, 10, (2048,)))
+    gen = torch.Generator().manual_seed(2)
+    steps, rss, thread_counts = [], [], []
+    for i in range(1000):
+        idx = torch.randint(0, 2048, (int(torch.randint(100, 600, (), generator=gen)),), generator=gen)
+        it = ring.stream(data, 64, indices=idx if i % 2 else None)
+        for j, _ in enumerate(it):
+            if i % 5 == 0 and j == 2:
+                break  # left for the next stream to close
+        if i >= 100 and i % 50 == 0:
+            steps.append(i)
+            rss.append(rss_bytes())
+            thread_counts.append(threads())
+    per_step = slope(steps, rss)
+    assert len(set(thread_counts)) == 1, thread_counts
+    assert per_step < 1024, f"resident memory grows {per_step:.0f} bytes/stream"

@@ -13,11 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._pytree import tree_flatten
 
 from mbs_ext import StreamRing
 from mbs_ext._native import _C
-from mbs_ext.ring import RingIterator
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
@@ -192,36 +190,35 @@ def test_indices_int32_accepted():
     assert torch.equal(torch.cat(out), data[idx.long()])
 
 
-def test_worker_error_reraised_with_original_message():
-    # The low-level handle does not pre-check index values, so the worker's gather
-    # fails at micro-batch 2; earlier micro-batches arrive, then the error.
-    data = torch.arange(10.0)
-    idx = torch.tensor([0, 1, 2, 3, 4, 5, 99, 6])
+def test_bad_indices_refused_by_the_native_ring_too():
+    # Python validates indices with its own messages; the native ring, which gathers
+    # rows by raw pointer, still refuses out-of-range ones on its own.
     ring = _C.StreamRing("cpu", 2)
-    handle = ring.open([data], 3, idx)
-    assert torch.equal(handle.next()[0], data[:3])
-    assert torch.equal(handle.next()[0], data[3:6])
-    with pytest.raises(IndexError, match="index out of range") as info:
-        handle.next()
-    assert "micro-batch 2" in str(info.value)
-    with pytest.raises(IndexError):  # asking again gives the same error, not a skip
-        handle.next()
-    handle.close()
+    with pytest.raises(IndexError, match=r"indices must lie in \[0, 10\), got \[0, 99\]"):
+        ring.open([torch.arange(10.0)], 3, torch.tensor([0, 1, 99]))
+    with pytest.raises(IndexError, match="lie in"):
+        ring.open([torch.arange(10.0)], 3, torch.tensor([-1, 1]))
 
 
-def test_worker_error_through_the_iterator():
-    # One leaf is fine, the other is too short for the low-level handle's indices.
+def test_worker_error_surfaces_in_the_caller():
+    # A micro-batch too big to allocate: the worker's allocation fails, and the error
+    # (still an out-of-memory error, so step's back-off sees it) reaches next().
+    huge = torch.zeros(1, 1).expand(2**42, 1)  # 4 TiB per micro-batch once staged
     ring = StreamRing("cpu")
     n_before = os_threads()
-    handle = ring._ring.open([torch.zeros(8, 2), torch.zeros(8)], 4, torch.tensor([0, 1, 2, 3, 8]))
-    spec = tree_flatten((1, 2))[1]
-    it = RingIterator(ring, handle, [None, None], [0, 1], spec)
-    first = next(it)
-    assert first[0].shape == (4, 2)
-    with pytest.raises(IndexError, match="out of range"):
+    it = ring.stream((huge, "meta"), 2**40)
+    with pytest.raises(torch.OutOfMemoryError) as info:
         next(it)
+    assert "micro-batch 0" in str(info.value)
     assert it._handle is None  # closed after the error
+    with pytest.raises(StopIteration):
+        next(it)
     assert os_threads() == n_before
+    handle = ring._ring.open([huge], 2**40, None)  # the low-level handle repeats the error
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            handle.next()
+    handle.close()
 
 
 def test_early_break_and_thread_count():
@@ -293,8 +290,8 @@ def test_two_rings_at_once():
             mb = next(it, None)
             if mb is not None:
                 got.append(mb)
-    for j, mb in enumerate(got_a):
-        assert_same(mb, take(a_data, j * 5, j * 5 + 5))
+    for (start, stop), mb in zip(balanced_ranges(41, 5), got_a, strict=True):
+        assert_same(mb, take(a_data, start, stop))
     assert len(got_a) == 9
     assert torch.equal(torch.cat(got_b), b_data)
     assert ra.stats()["micro_batches"] == 9 and rb.stats()["micro_batches"] == 13
@@ -327,8 +324,8 @@ def test_micro_batches_stay_valid_after_advancing():
     for mb in ring.stream(data, 3):
         kept.append(mb)  # held while the worker stages (and reuses slots) further
     kept_copy = [k.clone() for k in kept]
-    for j, mb in enumerate(kept):
-        assert torch.equal(mb, data[j * 3 : j * 3 + 3])
+    for j, (mb, (start, stop)) in enumerate(zip(kept, balanced_ranges(50, 3), strict=True)):
+        assert torch.equal(mb, data[start:stop])
         assert torch.equal(mb, kept_copy[j])
     # Distinct storage for every micro-batch: nothing aliases another.
     ptrs = {k.untyped_storage().data_ptr() for k in kept}
@@ -491,7 +488,7 @@ def test_property_random_structures(specs, n, m, layout, use_indices, seed):
         ranges = balanced_ranges(idx.numel(), m)
         assert len(got) == len(ranges)
         for j, mb in enumerate(got):
-            assert_same(mb, gather(batch, idx[j * m : (j + 1) * m]))
+            assert_same(mb, gather(batch, idx[ranges[j][0] : ranges[j][1]]))
     else:
         check_stream(ring, batch, n, m)
 

@@ -2,6 +2,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
@@ -62,7 +63,14 @@ at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
       }
     }
   }
-  if (ptr == nullptr) ptr = c10::GetCPUAllocator()->raw_allocate(std::max<size_t>(nbytes, 1));
+  if (ptr == nullptr) {
+    try {
+      ptr = c10::GetCPUAllocator()->raw_allocate(std::max<size_t>(nbytes, 1));
+    } catch (const c10::Error& e) {  // host memory is short: an out-of-memory error for step's back-off
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "host staging buffer of ", nbytes, " bytes: ",
+                       e.what_without_backtrace());
+    }
+  }
   auto* ctx = new PooledBuffer{shared_from_this(), ptr, nbytes};
   c10::DataPtr data(ptr, ctx, &HostBufferPool::release, c10::Device(c10::kCPU));
   // Resizable with the CPU allocator: growing the tensor later moves it to new

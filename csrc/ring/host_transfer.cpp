@@ -20,6 +20,7 @@ class HostTransfer final : public DeviceTransfer {
   }
 
   void wait_copied(int /*slot*/) override {}
+  void prepare(int64_t, int, const std::vector<at::Tensor>&, int64_t) override {}  // nothing to reserve
 
   DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) override {
     DeviceBatch batch;

@@ -187,6 +187,7 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
     // Overlap: when the following micro-batch is staged already, start its copy now.
     if (auto ahead = core_->try_acquire()) pending_ = take(*ahead);
     transfer_->deliver(batch);
+    prepare_next(pending_ ? pending_->item + 1 : batch.item + 1);
   } catch (...) {
     stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
     throw;
@@ -195,6 +196,12 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   rows_ = native::micro_batch_range(total_rows_, micro_batch_size_, batch.item);
   stats_->micro_batches.fetch_add(1);
   return std::move(batch.tensors);
+}
+
+void RingIterator::prepare_next(int64_t item) {
+  if (item >= items_) return;
+  const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
 }
 
 void RingIterator::close_locked() {

@@ -62,6 +62,11 @@ class DeviceTransfer {
   virtual at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) = 0;
   // Worker thread: blocks until nothing reads `slot`'s staging memory any more.
   virtual void wait_copied(int slot) = 0;
+  // Consumer: reserves device memory for micro-batch `item` (in `slot`) on the
+  // current stream now, before the consumer enqueues more compute, so that its copy
+  // later waits only for work enqueued before this point (a per-slot event), never
+  // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise.
+  virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) = 0;
   // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
   // tensors on the current stream, copy enqueued on the copy stream).
   virtual DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) = 0;
@@ -99,6 +104,7 @@ class RingIterator {
 
  private:
   void stage(int64_t item, int slot);  // worker thread
+  void prepare_next(int64_t item);      // consumer: reserve device memory for `item`
   void close_locked();
 
   const std::vector<at::Tensor> leaves_;

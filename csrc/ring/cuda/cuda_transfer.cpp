@@ -26,15 +26,22 @@ class CudaTransfer final : public DeviceTransfer {
     c10::cuda::CUDAGuard guard(device_);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     copied_.assign(static_cast<size_t>(slots), nullptr);
+    reserved_.assign(static_cast<size_t>(slots), nullptr);
+    prepared_.resize(static_cast<size_t>(slots));
     recorded_.assign(static_cast<size_t>(slots), 0);
     pinned_.resize(static_cast<size_t>(slots));
     for (auto& ev : copied_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    for (auto& ev : reserved_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
 
   ~CudaTransfer() override {
     c10::cuda::CUDAGuard guard(device_);
     // Pending work keeps what it needs; destroying a recorded event is allowed.
     for (auto ev : copied_) {
+      if (ev) (void)cudaEventDestroy(ev);
+    }
+    for (size_t slot = 0; slot < prepared_.size(); ++slot) release_prepared(static_cast<int>(slot));
+    for (auto ev : reserved_) {
       if (ev) (void)cudaEventDestroy(ev);
     }
     if (ready_) (void)cudaEventDestroy(ready_);
@@ -67,20 +74,51 @@ class CudaTransfer final : public DeviceTransfer {
     C10_CUDA_CHECK(cudaEventSynchronize(copied_[static_cast<size_t>(slot)]));
   }
 
+  void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) override {
+    Prepared& p = prepared_[static_cast<size_t>(slot)];
+    if (p.item == item) return;
+    release_prepared(slot);
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    p.tensors.reserve(leaves.size());
+    for (const at::Tensor& leaf : leaves) {  // fresh device memory, owned by the current stream
+      std::vector<int64_t> shape(leaf.sizes().begin(), leaf.sizes().end());
+      shape[0] = rows;
+      p.tensors.push_back(at::empty(shape, at::TensorOptions().dtype(leaf.scalar_type()).device(device_)));
+    }
+    // The copy may write that memory once the current stream's work so far is done.
+    C10_CUDA_CHECK(cudaEventRecord(reserved_[static_cast<size_t>(slot)], current.stream()));
+    p.stream = current.unwrap();
+    p.item = item;
+  }
+
   DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) override {
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     DeviceBatch batch;
     batch.item = item;
     batch.slot = slot;
-    batch.alloc_stream = current.unwrap();
-    batch.tensors.reserve(host.size());
-    for (const at::Tensor& h : host) {  // fresh device memory, owned by the current stream
-      batch.tensors.push_back(at::empty(h.sizes(), at::TensorOptions().dtype(h.scalar_type()).device(device_)));
+    Prepared& p = prepared_[static_cast<size_t>(slot)];
+    bool fits = p.item == item && p.stream == current.unwrap() && p.tensors.size() == host.size();
+    for (size_t k = 0; fits && k < host.size(); ++k) {
+      fits = p.tensors[k].sizes() == host[k].sizes() && p.tensors[k].scalar_type() == host[k].scalar_type();
     }
-    // The copy may only write that memory after the current stream's earlier work.
-    C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
+    if (fits) {  // reserved earlier: wait only for the work before the reservation
+      batch.tensors = std::move(p.tensors);
+      p.tensors.clear();
+      p.item = -1;
+      C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), reserved_[static_cast<size_t>(slot)], 0));
+    } else {
+      release_prepared(slot);
+      batch.tensors.reserve(host.size());
+      for (const at::Tensor& h : host) {  // fresh device memory, owned by the current stream
+        batch.tensors.push_back(at::empty(h.sizes(), at::TensorOptions().dtype(h.scalar_type()).device(device_)));
+      }
+      // The copy may only write that memory after the current stream's earlier work.
+      C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
+    }
+    batch.alloc_stream = current.unwrap();
     {
       c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
       for (size_t k = 0; k < host.size(); ++k) batch.tensors[k].copy_(host[k], /*non_blocking=*/true);
@@ -117,12 +155,27 @@ class CudaTransfer final : public DeviceTransfer {
   }
 
  private:
+  struct Prepared {
+    int64_t item = -1;
+    std::vector<at::Tensor> tensors;
+    c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+  };
+
+  // Unused reserved memory goes back to its stream's pool; nothing was written to it.
+  void release_prepared(int slot) {
+    Prepared& p = prepared_[static_cast<size_t>(slot)];
+    p.tensors.clear();
+    p.item = -1;
+  }
+
   const c10::Device device_;
   const c10::cuda::CUDAStream copy_stream_;
   cudaEvent_t ready_ = nullptr;
   std::vector<cudaEvent_t> copied_;
   std::vector<char> recorded_;
   std::vector<std::vector<at::Tensor>> pinned_;  // per slot and leaf: pinned bytes (worker-owned)
+  std::vector<cudaEvent_t> reserved_;            // per slot: recorded when its device memory was reserved
+  std::vector<Prepared> prepared_;               // per slot: device memory reserved ahead (consumer-owned)
 };
 
 }  // namespace
