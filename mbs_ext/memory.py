@@ -294,6 +294,9 @@ def plan(
             mbs = {n: _probe_batch(batch, n, indices, device) for n in sorted({small, large})}
             saved = {n: measure_saved_bytes(model, mb, call, autocast_dtype) for n, mb in mbs.items()}
             accumulating = accumulate_dtype is None  # autograd adds into .grad
+            # Warm-up: what the first forward/backward of a process creates once and keeps
+            # (cuBLAS/cuDNN workspaces, lazily built state) is resident, not a per-step cost.
+            measure_peak(model, mbs[small], call, autocast_dtype, accumulating)
             peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) for n, mb in mbs.items()}
             if accumulating:
                 peaks = {n: v + grad_bytes for n, v in peaks.items()}
