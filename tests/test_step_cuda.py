@@ -520,7 +520,10 @@ def _syncs_per_step(num_mb: int, normalize: str, use_scaler: bool) -> int:
 @pytest.mark.parametrize("use_scaler", [False, True])
 @pytest.mark.parametrize("normalize", ["samples", "count"])
 def test_host_syncs_per_step_do_not_grow_with_micro_batches(normalize, use_scaler):
-    few, many = _syncs_per_step(4, normalize, use_scaler), _syncs_per_step(32, normalize, use_scaler)
+    # Smallest of two measurements each: the first measured step of a process can carry one
+    # more one-time sync (seen on an H100 with torch 2.11: 2 at 4 micro-batches, then 1).
+    few = min(_syncs_per_step(4, normalize, use_scaler) for _ in range(2))
+    many = min(_syncs_per_step(32, normalize, use_scaler) for _ in range(2))
     assert few >= 1, "the step's read-back went unseen: sync counting does not work here"
     assert many == few, f"{few} host syncs at 4 micro-batches, {many} at 32"
     assert few <= 3, f"{few} host syncs per step"  # one read-back; a GradScaler may add its own
