@@ -198,10 +198,9 @@ def write_results(res: dict, out: Path = RESULTS) -> dict[str, Path]:
         )
     paths["md"].write_text("\n".join(lines) + "\n")
 
-    import matplotlib
+    from mbs_ext.apps._plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = [r["size"] for r in res["rows"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

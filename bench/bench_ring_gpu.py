@@ -229,10 +229,9 @@ def write(res: dict) -> Path:
     (out / "ring_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
-        import matplotlib
+        from mbs_ext.apps._plot import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(8, 5))
         names = list(res["GB/s"])

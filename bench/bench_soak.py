@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import mbs_ext
+from mbs_ext.apps._process import os_threads as threads
 
 STEPS, WARMUP, EVERY = 2000, 200, 50
 
@@ -20,10 +21,6 @@ STEPS, WARMUP, EVERY = 2000, 200, 50
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

@@ -12,10 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+from mbs_ext.apps._plot import pyplot
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+plt = pyplot()
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -276,17 +276,8 @@ def plan(
     """
     device = _checks.model_device(model)
     input_row = _row_bytes(batch)
-    # Staged copies exist only where the ring copies: to a device, or a gather by indices.
-    # A CPU step on a host batch (or any step on a batch already on the device) uses views.
-    on_device = all(t.device == device for t in _batch.tensor_leaves(batch))
-    staging = indices is not None or (device.type != "cpu" and not on_device)
-    staged_row = input_row * (slots + 1) if staging else 0
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    acc_bytes = 0
-    if accumulate_dtype is not None:  # separate buffers, one per trainable parameter
-        acc_size = torch.empty((), dtype=accumulate_dtype).element_size()
-        acc_bytes = sum(p.numel() * acc_size for p in trainable)
+    staged_row = input_row * (slots + 1) if _stages(batch, indices, device) else 0
+    grad_bytes, acc_bytes = _gradient_bytes(model, accumulate_dtype)
     grads = {p: p.grad for p in model.parameters()}
     try:
         with _probing(model, device):
@@ -297,24 +288,18 @@ def plan(
             # Warm-up: what the first forward/backward of a process creates once and keeps
             # (cuBLAS/cuDNN workspaces, lazily built state) is resident, not a per-step cost.
             measure_peak(model, mbs[small], call, autocast_dtype, accumulating)
-            peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) for n, mb in mbs.items()}
-            if accumulating:
-                peaks = {n: v + grad_bytes for n, v in peaks.items()}
+            held = grad_bytes if accumulating else 0  # the sum in .grad stays resident
+            peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) + held for n, mb in mbs.items()}
             del mbs
             per_sample_saved, intercept = _fit(small, large, saved[small], saved[large])
             per_row, fixed_peak = _fit(small, large, peaks[small], peaks[large])
             per_row = max(per_row, per_sample_saved)
             fixed = max(fixed_peak, intercept + grad_bytes) + acc_bytes
             per_sample = per_row + staged_row
-            if memory_budget - fixed < per_sample:
-                raise ValueError(
-                    f"memory_budget={memory_budget} bytes is too small: the fixed cost is {fixed} bytes "
-                    f"(gradients/accumulators {grad_bytes + acc_bytes}) and one sample needs {per_sample} bytes"
-                )
+            _check_fits(memory_budget, fixed, per_sample, grad_bytes + acc_bytes)
             size = max(1, min(num_rows, (memory_budget - fixed) // max(per_sample, 1)))
-            resident = acc_bytes + (grad_bytes if accumulating else 0)
             size = _verify(model, batch, indices, device, call, (autocast_dtype, accumulating), size, large,
-                           lambda n, peak: peak + resident + n * staged_row, memory_budget, fixed)
+                           lambda n, peak: peak + acc_bytes + held + n * staged_row, memory_budget, fixed)
     finally:
         for p, g in grads.items():
             p.grad = g
@@ -328,6 +313,34 @@ def plan(
         num_rows=int(num_rows),
         _saved_intercept=intercept,
     )
+
+
+def _stages(batch: Any, indices: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether the ring copies: to a device, or a gather by indices.
+
+    A CPU step on a host batch (or any step on a batch already on the device) uses views.
+    """
+    on_device = all(t.device == device for t in _batch.tensor_leaves(batch))
+    return indices is not None or (device.type != "cpu" and not on_device)
+
+
+def _check_fits(budget: int, fixed: int, per_sample: int, gradient_bytes: int) -> None:
+    if budget - fixed < per_sample:
+        raise ValueError(
+            f"memory_budget={budget} bytes is too small: the fixed cost is {fixed} bytes "
+            f"(gradients/accumulators {gradient_bytes}) and one sample needs {per_sample} bytes"
+        )
+
+
+def _gradient_bytes(model: nn.Module, accumulate_dtype: torch.dtype | None) -> tuple[int, int]:
+    """Bytes of the trainable parameters' gradients, and of float accumulation buffers (if any)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    acc_bytes = 0
+    if accumulate_dtype is not None:  # separate buffers, one per trainable parameter
+        acc_size = torch.empty((), dtype=accumulate_dtype).element_size()
+        acc_bytes = sum(p.numel() * acc_size for p in trainable)
+    return grad_bytes, acc_bytes
 
 
 def _verify(model, batch, indices, device, call, how: tuple, size: int, probed: int,

@@ -8,7 +8,6 @@ stays on the host and streams through the ring).
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -18,6 +17,7 @@ from helpers import assert_bit_identical, assert_states_match, balanced_ranges, 
 from torch import nn
 
 import mbs_ext
+from mbs_ext.apps._process import os_threads as threads
 
 N, M = 11, 3  # four micro-batches: 3, 3, 3, 2 rows
 NUM_MB = 4
@@ -42,10 +42,6 @@ def batch(seed: int = 1):
 
 def mse(model, mb):
     return F.mse_loss(model(mb[0]), mb[1])
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def setup(device: str, deferred: bool = True):

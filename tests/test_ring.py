@@ -5,7 +5,6 @@ handed-out tensors, input validation, and (with a GPU) the CUDA copy path."""
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from mbs_ext import StreamRing
 from mbs_ext._native import _C
+from mbs_ext.apps._process import os_threads
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
@@ -26,10 +26,6 @@ cpp_errors_reach_python = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
     reason="torch < 2.13: a C++ error thrown in the extension crashes the process (open defect)",
 )
-
-
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def make_tensor(shape, dtype, gen):

@@ -44,3 +44,8 @@ def child_env(threads: int) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
     return env
+
+
+def os_threads() -> int:
+    """Threads of this process as the OS counts them (Linux /proc)."""
+    return len(os.listdir("/proc/self/task"))

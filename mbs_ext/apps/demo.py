@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(history: dict, path: Path, micro: int | None, batch_size: int) -> None:
-    import matplotlib
+    from mbs_ext.apps._plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(history["mbs_loss"], label=f"MBS (micro-batch {micro})", lw=2.5, alpha=0.7)

@@ -324,10 +324,9 @@ def write_table(
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from mbs_ext.apps._plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = [r["size"] for r in rows]
     fig, (ax_acc, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))

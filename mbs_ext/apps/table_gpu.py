@@ -156,10 +156,9 @@ def _write(out: Path, rows: list[dict], meta: dict) -> None:
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (out / "table_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    import matplotlib
+    from mbs_ext.apps._plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([r["variant"] for r in rows], [r["samples_per_s"] for r in rows], color=["k"] + ["C0"] * (len(rows) - 1))
