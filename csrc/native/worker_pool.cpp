@@ -52,8 +52,13 @@ void WorkerPool::run(size_t worker) {
       err = std::current_exception();
     }
     {
+      // Hand the error over and drop this thread's reference while holding the lock: the last
+      // reference then goes away on the thread that rethrows it, never here after that thread has
+      // read the message (exception_ptr counts references inside the uninstrumented C++ runtime,
+      // where ThreadSanitizer cannot see the ordering).
       std::lock_guard<std::mutex> lock(mu_);
-      if (err && !error_) error_ = err;
+      if (err && !error_) error_ = std::move(err);
+      err = nullptr;
       if (--pending_ == 0) done_cv_.notify_all();
     }
   }
