@@ -1,9 +1,10 @@
-// The mbs_ext._C Python module: build facts and the StreamRing class. The ops
+// The mbs_ext._C Python module: build facts, the op's argument scans and the StreamRing class. The ops
 // themselves are registered with the dispatcher (TORCH_LIBRARY) in csrc/ops/.
 #include <torch/extension.h>
 
 #include <string>
 
+#include "ops/bindings.h"
 #include "ring/bindings.h"
 
 namespace mbs {
@@ -22,5 +23,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cuda_archs") = std::string();
 #endif
   m.attr("openmp") = static_cast<bool>(MBS_EXT_OPENMP);
+  mbs::bind_scale_accumulate_checks(m);
   mbs::bind_stream_ring(m);
 }

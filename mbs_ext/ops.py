@@ -4,6 +4,10 @@ Every argument is validated here, before the dispatcher sees it, and errors name
 argument (``grads[3]``): no bad input reaches C++, so no error is ever raised from
 inside a kernel on this path. The C++ kernels repeat each check once, so that a
 call straight through ``torch.ops`` cannot reach a kernel with bad arguments either.
+
+The per-pair scan runs in C++ (``_C._first_suspect_pair``, ``_C._find_overlap``):
+with thousands of small tensors a Python loop would cost more than the op itself.
+Those helpers only point at a suspect pair; the error and its wording come from here.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from mbs_ext._native import _C  # noqa: F401  (loads the op registrations)
+from mbs_ext._native import _C  # also loads the op registrations
 
 _OP = torch.ops.mbs_ext.scale_accumulate_
-_FIND_OVERLAP = torch.ops.mbs_ext._find_overlap
 _FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -26,12 +30,6 @@ _DEVICE_TYPES = ("cpu", "cuda")
 def _scale_accumulate_fake(accumulators, grads, scale, found_inf) -> None:
     # In-place op with no outputs: nothing to describe for fake tensors.
     return None
-
-
-@torch.library.register_fake("mbs_ext::_find_overlap")
-def _find_overlap_fake(accumulators, grads, scale, found_inf) -> list[int]:
-    # Fake tensors have no memory to overlap.
-    return []
 
 
 def _as_list(name: str, seq: object) -> list:
@@ -76,9 +74,8 @@ def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mo
 def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
     """Validates the two lists; returns their device (None when they are empty).
 
-    One tight pass decides whether every pair is fine (this runs once per micro-batch
-    over every parameter, so it avoids per-element calls); only a failing pair goes
-    through `_check_pair` to name what is wrong.
+    One tight pass (in C++ when running eagerly) finds the pairs that may be wrong;
+    only those go through `_check_pair`, which names what is wrong.
     """
     if len(accumulators) != len(grads):
         raise ValueError(
@@ -92,22 +89,14 @@ def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
     device = first.device
     if device.type not in _DEVICE_TYPES:
         raise ValueError(f"accumulators[0] is on {device}; scale_accumulate_ runs on cpu and cuda tensors")
-    tensor, strided, floats = torch.Tensor, torch.strided, _FLOATS
-    for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-        if (
-            not isinstance(acc, tensor)
-            or not isinstance(grad, tensor)
-            or acc.layout is not strided
-            or grad.layout is not strided
-            or acc.dtype not in floats
-            or grad.dtype not in floats
-            or acc.device != device
-            or grad.device != device
-            or acc.shape != grad.shape
-            or (grad_mode and (acc.requires_grad or grad.requires_grad))
-            or not acc.is_contiguous()
-        ):
+    if torch.compiler.is_compiling():  # traced: the checks become guards, not a per-call cost
+        for i, (acc, grad) in enumerate(zip(accumulators, grads)):
             _check_pair(i, acc, grad, device, grad_mode)
+        return device
+    i = _C._first_suspect_pair(accumulators, grads, 0, grad_mode)
+    while i >= 0:
+        _check_pair(i, accumulators[i], grads[i], device, grad_mode)
+        i = _C._first_suspect_pair(accumulators, grads, i + 1, grad_mode)
     return device
 
 
@@ -120,11 +109,11 @@ def _check_no_overlap(accumulators: list, grads: list, scale: torch.Tensor, foun
 
     Views of one buffer that interleave without sharing elements are refused too (address
     ranges are compared). The sweep over sorted address ranges runs in C++
-    (``mbs_ext::_find_overlap``), which returns the offending pair instead of raising.
+    (``_C._find_overlap``), which returns the offending pair instead of raising.
     """
-    if torch.compiler.is_compiling():  # fake tensors have no addresses; the C++ check runs at run time
-        return
-    hit = _FIND_OVERLAP(accumulators, grads, scale, found_inf)
+    if torch.compiler.is_compiling() or isinstance(found_inf, FakeTensor):
+        return  # fake tensors have no addresses; the kernels' own check runs on real ones
+    hit = _C._find_overlap(accumulators, grads, scale, found_inf)
     if hit:
         a, b = (_LISTS[hit[k]] + (f"[{hit[k + 1]}]" if hit[k] < 2 else "") for k in (0, 2))
         raise ValueError(

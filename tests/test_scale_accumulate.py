@@ -421,3 +421,39 @@ def test_build_info():
     assert info["torch_version"] == torch.__version__
     if info["cuda_compiled"]:
         assert info["cuda_archs"], "a CUDA build must report the archs it compiled"
+
+
+_DEEP_BAD = {
+    "int-grad": lambda: (torch.zeros(3), torch.ones(3, dtype=torch.int32), TypeError),
+    "shape": lambda: (torch.zeros(3), torch.ones(4), ValueError),
+    "meta-grad": lambda: (torch.zeros(3), torch.ones(3, device="meta"), ValueError),
+    "acc-requires-grad": lambda: (torch.zeros(3, requires_grad=True), torch.ones(3), ValueError),
+    "grad-requires-grad": lambda: (torch.zeros(3), torch.ones(3, requires_grad=True), ValueError),
+    "expanded-acc": lambda: (torch.zeros(1).expand(3), torch.ones(3), ValueError),
+    "not-tensor": lambda: (torch.zeros(3), [1.0, 2.0, 3.0], TypeError),
+    "sparse-acc": lambda: (torch.zeros(3).to_sparse(), torch.ones(3), TypeError),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_DEEP_BAD))
+def test_bad_pair_deep_in_a_long_list_is_named_and_nothing_is_written(kind):
+    # The per-pair scan runs in C++; the pair it points at must get the same named error as the
+    # first pair would, and no accumulator may change before the error.
+    n, bad = 3000, 2718
+    accs = [torch.zeros(3) for _ in range(n)]
+    grads = [torch.full((3,), float(i)) for i in range(n)]
+    accs[7], grads[7] = torch.zeros(2, 3).t(), torch.ones(3, 2)  # non-contiguous but valid
+    accs[bad], grads[bad], error = _DEEP_BAD[kind]()
+    with pytest.raises(error, match=rf"(accumulators|grads)\[{bad}\]") as info:
+        mbs_ext.scale_accumulate_(accs, grads, 0.5)
+    assert not str(info.value).startswith("scale_accumulate_:"), "raised by the kernel, not before dispatch"
+    assert all(bool((a == 0).all()) for i, a in enumerate(accs) if i != bad and a.layout == torch.strided)
+
+
+def test_long_list_with_non_contiguous_pairs_matches_torch_add():
+    accs = [torch.randn(5, 3).t() if i % 3 == 0 else torch.randn(4) for i in range(1000)]
+    grads = [torch.randn(3, 5) if i % 3 == 0 else torch.randn(8)[::2] for i in range(1000)]
+    expected = [torch.add(a.double(), g.double(), alpha=0.25) for a, g in zip(accs, grads)]
+    mbs_ext.scale_accumulate_(accs, grads, 0.25)
+    for a, e in zip(accs, expected):
+        torch.testing.assert_close(a.double(), e, rtol=1e-6, atol=1e-6)

@@ -59,11 +59,13 @@ void RingCore::run() {
       err = std::current_exception();
     }
     produce_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
+    const bool failed = static_cast<bool>(err);
     {
+      // The error moves into error_ under the lock; this thread keeps no reference to it.
       std::lock_guard<std::mutex> lock(mu_);
-      if (err) {
+      if (failed) {
         state_[slot] = SlotState::kFree;
-        error_ = err;
+        error_ = std::move(err);
         error_item_ = item;
       } else {
         state_[slot] = SlotState::kReady;
@@ -71,7 +73,7 @@ void RingCore::run() {
       }
     }
     consumer_cv_.notify_all();
-    if (err) return;
+    if (failed) return;
   }
 }
 

@@ -12,15 +12,6 @@
 namespace mbs {
 namespace {
 
-// The bytes a tensor can touch, [begin, end), with the argument that owns them.
-struct Extent {
-  uintptr_t begin;
-  uintptr_t end;
-  int64_t list;   // 0 accumulators, 1 grads, 2 found_inf, 3 scale
-  int64_t index;  // position in the list (0 for found_inf and scale)
-  bool written() const { return list == 0 || list == 2; }
-};
-
 Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   // Torch strides are never negative: the element farthest from data_ptr is at
   // sum((size - 1) * stride).
@@ -36,12 +27,10 @@ std::string name_of(const Extent& e) {
   return e.list < 2 ? std::string(names[e.list]) + "[" + std::to_string(e.index) + "]" : names[e.list];
 }
 
-// No written tensor (an accumulator, found_inf) may share memory with any other
-// argument: blocks and threads run in parallel, so an overlap is a data race.
+}  // namespace
+
 // Sorted sweep: any overlap involving a written extent shows up against the extent
-// with the largest end seen so far. Returns the first offending pair, if any.
-// Assumes the arguments passed check_scale_accumulate_args up to this point
-// (lengths equal, tensors with storage); never throws for such arguments.
+// with the largest end seen so far.
 std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulators, at::TensorList grads,
                                                       const at::Tensor& scale, const at::Tensor& found_inf) {
   std::vector<Extent> extents;
@@ -63,19 +52,6 @@ std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulator
   }
   return std::nullopt;
 }
-
-// mbs_ext::_find_overlap: the overlap check as a query that returns, rather than
-// raises, so that the Python wrapper can name the arguments without any error
-// leaving C++. [] when nothing overlaps, else [list, index, list, index].
-std::vector<int64_t> find_overlap_op(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
-                                     const at::Tensor& found_inf) {
-  if (accumulators.size() != grads.size() || !scale.defined() || !found_inf.defined()) return {};
-  const auto hit = find_overlap(accumulators, grads, scale, found_inf);
-  if (!hit) return {};
-  return {hit->first.list, hit->first.index, hit->second.list, hit->second.index};
-}
-
-}  // namespace
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
@@ -179,8 +155,4 @@ TORCH_LIBRARY(mbs_ext, m) {
   m.def(
       "scale_accumulate_(Tensor(a!)[] accumulators, Tensor[] grads, Tensor scale, "
       "Tensor(b!) found_inf) -> ()");
-  m.def("_find_overlap(Tensor[] accumulators, Tensor[] grads, Tensor scale, Tensor found_inf) -> int[]");
 }
-
-// Reads only data pointers and strides: one implementation for every backend.
-TORCH_LIBRARY_IMPL(mbs_ext, CompositeExplicitAutograd, m) { m.impl("_find_overlap", &mbs::find_overlap_op); }

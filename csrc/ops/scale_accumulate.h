@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -22,6 +24,23 @@ c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorL
                                         c10::DeviceType kernel_device);
 
 bool is_supported_float(at::ScalarType t);
+
+// The bytes a tensor can touch, [begin, end), with the argument that owns them.
+struct Extent {
+  uintptr_t begin;
+  uintptr_t end;
+  int64_t list;   // 0 accumulators, 1 grads, 2 found_inf, 3 scale
+  int64_t index;  // position in the list (0 for found_inf and scale)
+  bool written() const { return list == 0 || list == 2; }
+};
+
+// No written tensor (an accumulator, found_inf) may share memory with any other
+// argument: blocks and threads run in parallel, so an overlap is a data race.
+// Returns the first offending pair, if any. Assumes the arguments passed the
+// checks up to this point (lengths equal, tensors with storage); never throws
+// for such arguments.
+std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulators, at::TensorList grads,
+                                                      const at::Tensor& scale, const at::Tensor& found_inf);
 
 // The non-empty pairs as contiguous tensors a kernel can run over with flat
 // indices. A non-contiguous accumulator is replaced by a contiguous copy that
