@@ -102,3 +102,47 @@ def test_report():
         f"{torch.get_num_threads()} threads. "
         "Ratios > 1 mean the fused op is faster.",
     )
+
+
+CALL_METHODS = ["api", "raw_op", "foreach"]
+
+
+def test_call_overhead(benchmark):
+    """What the public ``mbs_ext.scale_accumulate_`` costs over the bare dispatcher op when
+    a call carries thousands of small tensors (the per-pair argument checks run in C++).
+
+    On a GPU the kernel is asynchronous, so host work per call is all the caller waits
+    for; on this CPU it adds to the kernel's time. Written to bench/results/accumulate_calls.*.
+    """
+    from _results import write
+    from shapes import tiny_shapes
+
+    from mbs_ext.ops import _OP
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = tiny_shapes()
+    accs = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    found_inf = torch.zeros(())
+    scale = torch.tensor(SCALE, dtype=torch.float64)
+    runs = {
+        "api": lambda: mbs_ext.scale_accumulate_(accs, grads, SCALE, found_inf),
+        "raw_op": lambda: _OP(accs, grads, scale, found_inf),
+        "foreach": lambda: torch._foreach_add_(accs, grads, alpha=SCALE),
+    }
+    times: dict[str, list[float]] = {method: [] for method in CALL_METHODS}
+    benchmark.group = "accumulate call overhead, 2,000 small tensors"
+    benchmark.pedantic(interleaved(runs, times), rounds=4 * ROUNDS, iterations=1, warmup_rounds=3)
+    med = {m: statistics.median(times[m][-4 * ROUNDS :]) for m in CALL_METHODS}
+    rows = [
+        {"method": m, "median ms": med[m] * 1e3, "vs foreach": med["foreach"] / med[m]} for m in CALL_METHODS
+    ]
+    write(
+        "accumulate_calls",
+        {"median_s": med, "tensors": len(shapes), "api_over_raw_ms": (med["api"] - med["raw_op"]) * 1e3},
+        rows,
+        note=f"2,000 tensors of 16 to 2,015 float32 elements; medians of {4 * ROUNDS} interleaved rounds, "
+        f"{torch.get_num_threads()} threads. `vs foreach` > 1 means faster than `torch._foreach_add_`. "
+        f"Public API minus bare op: {(med['api'] - med['raw_op']) * 1e3:.3f} ms per call (argument checks).",
+    )
+    benchmark.extra_info.update({f"{m}_median_s": v for m, v in med.items()})

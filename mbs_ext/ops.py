@@ -5,7 +5,7 @@ argument (``grads[3]``): no bad input reaches C++, so no error is ever raised fr
 inside a kernel on this path. The C++ kernels repeat each check once, so that a
 call straight through ``torch.ops`` cannot reach a kernel with bad arguments either.
 
-The per-pair scan runs in C++ (``_C._first_suspect_pair``, ``_C._find_overlap``):
+The per-pair scan and the overlap sweep run in C++ (``_C._scan_arguments``):
 with thousands of small tensors a Python loop would cost more than the op itself.
 Those helpers only point at a suspect pair; the error and its wording come from here.
 """
@@ -72,11 +72,8 @@ def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mo
 
 
 def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
-    """Validates the two lists; returns their device (None when they are empty).
-
-    One tight pass (in C++ when running eagerly) finds the pairs that may be wrong;
-    only those go through `_check_pair`, which names what is wrong.
-    """
+    """Validates the two lists' lengths and first element; returns their device (None when
+    they are empty). The other pairs are checked by `_check_arguments`."""
     if len(accumulators) != len(grads):
         raise ValueError(
             f"accumulators and grads must have the same length, got {len(accumulators)} accumulators "
@@ -84,36 +81,40 @@ def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
         )
     if not accumulators:
         return None
-    grad_mode = torch.is_grad_enabled()
-    first = _check_tensor("accumulators", 0, accumulators[0], None, grad_mode)
-    device = first.device
-    if device.type not in _DEVICE_TYPES:
-        raise ValueError(f"accumulators[0] is on {device}; scale_accumulate_ runs on cpu and cuda tensors")
-    if torch.compiler.is_compiling():  # traced: the checks become guards, not a per-call cost
-        for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-            _check_pair(i, acc, grad, device, grad_mode)
-        return device
-    i = _C._first_suspect_pair(accumulators, grads, 0, grad_mode)
-    while i >= 0:
-        _check_pair(i, accumulators[i], grads[i], device, grad_mode)
-        i = _C._first_suspect_pair(accumulators, grads, i + 1, grad_mode)
-    return device
+    first = _check_tensor("accumulators", 0, accumulators[0], None, torch.is_grad_enabled())
+    if first.device.type not in _DEVICE_TYPES:
+        raise ValueError(f"accumulators[0] is on {first.device}; scale_accumulate_ runs on cpu and cuda tensors")
+    return first.device
 
 
 _LISTS = ("accumulators", "grads", "found_inf", "scale")
 
 
-def _check_no_overlap(accumulators: list, grads: list, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """No written tensor (an accumulator, found_inf) may share memory with any other argument:
-    the kernels update all pairs in parallel, so an overlap would be a data race.
+def _check_arguments(
+    accumulators: list, grads: list, device: torch.device, scale: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    """Every pair, then memory overlap: no written tensor (an accumulator, found_inf) may
+    share memory with any other argument, because the kernels update all pairs in parallel
+    and an overlap would be a data race. Views of one buffer that interleave without sharing
+    elements are refused too (address ranges are compared).
 
-    Views of one buffer that interleave without sharing elements are refused too (address
-    ranges are compared). The sweep over sorted address ranges runs in C++
-    (``_C._find_overlap``), which returns the offending pair instead of raising.
+    Eagerly, one pass in C++ (``_C._scan_arguments``) points at the first suspect pair, which
+    `_check_pair` then names, and sweeps the sorted address ranges. Traced or with fake
+    tensors, the pairs are checked here (the checks become guards) and the overlap check is
+    left to the kernels, which see real addresses.
     """
+    grad_mode = torch.is_grad_enabled()
     if torch.compiler.is_compiling() or isinstance(found_inf, FakeTensor):
-        return  # fake tensors have no addresses; the kernels' own check runs on real ones
-    hit = _C._find_overlap(accumulators, grads, scale, found_inf)
+        for i, (acc, grad) in enumerate(zip(accumulators, grads)):
+            _check_pair(i, acc, grad, device, grad_mode)
+        return
+    start = 0
+    while True:
+        suspect, hit = _C._scan_arguments(accumulators, grads, scale, found_inf, grad_mode, start)
+        if suspect < 0:
+            break
+        _check_pair(suspect, accumulators[suspect], grads[suspect], device, grad_mode)
+        start = suspect + 1
     if hit:
         a, b = (_LISTS[hit[k]] + (f"[{hit[k + 1]}]" if hit[k] < 2 else "") for k in (0, 2))
         raise ValueError(
@@ -197,6 +198,6 @@ def scale_accumulate_(
     scale_t = _as_scale(scale, device)
     found_inf = _as_found_inf(found_inf, device)
     if accumulators:
-        _check_no_overlap(accumulators, grads, scale_t, found_inf)
+        _check_arguments(accumulators, grads, device, scale_t, found_inf)
         _OP(accumulators, grads, scale_t, found_inf)
     return found_inf

@@ -12,6 +12,13 @@
 namespace mbs {
 namespace {
 
+std::string name_of(const Extent& e) {
+  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
+  return e.list < 2 ? std::string(names[e.list]) + "[" + std::to_string(e.index) + "]" : names[e.list];
+}
+
+}  // namespace
+
 Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   // Torch strides are never negative: the element farthest from data_ptr is at
   // sum((size - 1) * stride).
@@ -22,15 +29,20 @@ Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   return {begin, begin + bytes, list, index};
 }
 
-std::string name_of(const Extent& e) {
-  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
-  return e.list < 2 ? std::string(names[e.list]) + "[" + std::to_string(e.index) + "]" : names[e.list];
-}
-
-}  // namespace
-
 // Sorted sweep: any overlap involving a written extent shows up against the extent
 // with the largest end seen so far.
+std::optional<std::pair<Extent, Extent>> first_overlap(std::vector<Extent>& extents) {
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  const Extent* reach = nullptr;  // the extent seen so far that ends last
+  for (const Extent& e : extents) {
+    if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
+      return std::make_pair(*reach, e);
+    }
+    if (reach == nullptr || e.end > reach->end) reach = &e;
+  }
+  return std::nullopt;
+}
+
 std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulators, at::TensorList grads,
                                                       const at::Tensor& scale, const at::Tensor& found_inf) {
   std::vector<Extent> extents;
@@ -42,15 +54,7 @@ std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulator
   }
   extents.push_back(extent_of(found_inf, 2, 0));
   if (scale.device() == found_inf.device()) extents.push_back(extent_of(scale, 3, 0));
-  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
-  const Extent* reach = nullptr;  // the extent seen so far that ends last
-  for (const Extent& e : extents) {
-    if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
-      return std::make_pair(*reach, e);
-    }
-    if (reach == nullptr || e.end > reach->end) reach = &e;
-  }
-  return std::nullopt;
+  return first_overlap(extents);
 }
 
 bool is_supported_float(at::ScalarType t) {

@@ -34,11 +34,19 @@ struct Extent {
   bool written() const { return list == 0 || list == 2; }
 };
 
+// The bytes `t` can touch, labelled with its argument (`list`) and position.
+Extent extent_of(const at::Tensor& t, int64_t list, int64_t index);
+
+// The first two extents that overlap where at least one is written, if any
+// (sorts `extents`).
+std::optional<std::pair<Extent, Extent>> first_overlap(std::vector<Extent>& extents);
+
 // No written tensor (an accumulator, found_inf) may share memory with any other
 // argument: blocks and threads run in parallel, so an overlap is a data race.
 // Returns the first offending pair, if any. Assumes the arguments passed the
 // checks up to this point (lengths equal, tensors with storage); never throws
-// for such arguments.
+// for such arguments. Empty pairs own no bytes and are left out; a CPU `scale`
+// beside device tensors is read by value and left out too.
 std::optional<std::pair<Extent, Extent>> find_overlap(at::TensorList accumulators, at::TensorList grads,
                                                       const at::Tensor& scale, const at::Tensor& found_inf);
 
