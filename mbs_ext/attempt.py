@@ -71,6 +71,7 @@ class Attempt:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.local_total: _norm.Count = 0.0
         self.bad_count: torch.Tensor | None = None  # device counts are validated on the device
+        self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks (buffered grads)
         self.compute_s = 0.0
 
     def where(self) -> str:
@@ -141,6 +142,8 @@ class Attempt:
     def _count(self, mb: Any) -> _norm.Count:
         rows_i = _batch.tensor_leaves(mb)[0].shape[0]
         c = _norm.count(self.s.normalize, mb, rows_i)
+        if isinstance(c, torch.Tensor) and c.device.type == "cpu" and self.device.type != "cpu":
+            c = _norm.check_count(c)  # read on the host: a copy to the device would block per micro-batch
         if isinstance(c, torch.Tensor):
             c = c.to(self.device)
             bad = _norm.invalid_count(c)
@@ -196,7 +199,9 @@ class Attempt:
         """The global total; rescales the gradient accumulated so far to it (no host sync)."""
         total: _norm.Count = self.local_total
         if self.ddp:
-            total, self.loss_sum = _norm.all_reduce_sum([total, self.loss_sum], self.device, self.group)
+            # A bad count on one rank is already in the total: every rank must learn of it and fail.
+            values = _norm.all_reduce_sum([total, self.loss_sum, self._bad_flag()], self.device, self.group)
+            total, self.loss_sum, self.bad_count = values[0], values[1], values[2] > 0
         if self.index > 0:
             _acc.rescale_grads(self.params, _norm.ratio(denom * self.world, total))
         self.global_total = total
@@ -207,9 +212,17 @@ class Attempt:
         total: _norm.Count = self.local_total
         got_any: list = self.bufs.got
         if self.ddp:
-            values = _norm.all_reduce_sum([total, self.loss_sum, *map(float, got_any)], self.device, self.group)
-            total, self.loss_sum = values[0], values[1]
-            got_any = [v > 0 for v in values[2:].tolist()]  # which .grad exist must be known on the host
+            # One collective: the totals, any rank's bad count and non-finite flag (the summed
+            # buffers carry every rank's inf/NaN, so every rank must skip alike), and which
+            # parameters got a gradient on some rank.
+            head = [total, self.loss_sum, self._bad_flag(), self.bufs.nonfinite(self.device)]
+            values = _norm.all_reduce_sum(head, self.device, self.group, host_tail=[float(g) for g in got_any])
+            total, self.loss_sum, self.bad_count = values[0], values[1], values[2] > 0
+            self.found = (values[3] > 0).to(torch.float32)
+            if not all(got_any):
+                # Which .grad exist must be known on the host (a host sync, only when this
+                # rank's micro-batches left some parameter without a gradient).
+                got_any = [v > 0 for v in values[len(head) :].tolist()]
         # The buffers are summed over ranks, so no world-size factor here.
         self.bufs.finish(_norm.ratio(denom, total), got_any, self.group)
         self.global_total = total
@@ -246,10 +259,17 @@ class Attempt:
             skipped=skipped, grad_norm=outcome.grad_norm, timings=timings,
         )
 
+    def _bad_flag(self) -> torch.Tensor | float:
+        return self.bad_count.to(torch.float64) if self.bad_count is not None else 0.0
+
     def _nonfinite(self) -> torch.Tensor:
         """Device flag for non-finite gradients, from the cheapest source at hand."""
-        if self.bufs is not None:  # flagged by the fused op while accumulating
-            return torch.maximum(self.bufs.nonfinite(self.device), _acc.overflow_on_cast(self.params, self.device))
+        if self.bufs is not None:
+            # Flagged by the fused op while accumulating (summed over the DDP ranks when
+            # there are several), or by the cast of the sums into fp16 grads (the same on
+            # every rank: the sums are).
+            found = self.found if self.found is not None else self.bufs.nonfinite(self.device)
+            return torch.maximum(found, _acc.overflow_on_cast(self.params, self.device))
         if self.s.max_grad_norm is not None:  # the norm computed for clipping covers it
             return torch.zeros((), dtype=torch.float32, device=self.device)
         return _acc.nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)

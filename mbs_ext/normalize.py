@@ -96,15 +96,25 @@ def check_total(total: float) -> None:
         )
 
 
-def all_reduce_sum(values: list[Count], device: torch.device, group: Any = None) -> torch.Tensor:
+def all_reduce_sum(
+    values: list[Count], device: torch.device, group: Any = None, host_tail: list[float] | None = None
+) -> torch.Tensor:
     """Per-rank totals summed over the DDP ``group`` in one collective, as a float64 vector.
 
     Stays on ``device`` (no host sync): the caller reads it in the step's one probe.
-    Without a process group it just stacks the values.
+    Without a process group it just stacks the values. ``host_tail`` (host numbers, e.g.
+    one flag per parameter) is appended with a single copy from pinned memory rather
+    than one blocking host-to-device copy per number.
     """
     import torch.distributed as dist
 
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    parts = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+    t = torch.stack(parts)
+    if host_tail:
+        tail = torch.tensor(host_tail, dtype=torch.float64)
+        if device.type == "cuda":
+            tail = tail.pin_memory().to(device, non_blocking=True)
+        t = torch.cat([t, tail.to(device)])
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t

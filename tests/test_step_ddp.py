@@ -76,6 +76,58 @@ def _n(data):
     return len(data["ids"]) if isinstance(data, dict) else len(data[0])
 
 
+class _NanGrad(torch.autograd.Function):
+    """Identity forward; NaN gradient backward (a fault on one rank only)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+# name: (fault on rank 0, accumulate_dtype). Every rank must take the same decision.
+AGREEMENT = {
+    "nonfinite_grads": ("nan", None),
+    "nonfinite_buffers": ("nan", torch.float64),
+    "bad_count_grads": ("count", None),
+    "bad_count_buffers": ("count", torch.float64),
+}
+
+
+def _agreement(rank, device, out_dir):
+    data = tuple(v.float() for v in mlp_data())
+    local = _rows(data, 0, 6) if rank == 0 else _rows(data, 6, _n(data))
+    for name, (fault, acc) in AGREEMENT.items():
+        model = nn.parallel.DistributedDataParallel(make_model("mlp", torch.float32).to(device))
+        before = {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def loss_fn(m, b, fault=fault):
+            out = m(b[0])
+            if fault == "nan" and rank == 0:
+                out = _NanGrad.apply(out)
+            return F.mse_loss(out, b[1])
+
+        def count(b, fault=fault):
+            rows = torch.tensor(float(len(b[0])), dtype=torch.float64, device=device)
+            return rows - 0.5 if fault == "count" and rank == 0 else rows
+
+        outcome = {}
+        try:
+            res = mbs_ext.step(model, opt, local, loss_fn, micro_batch_size=4, normalize=count,
+                               accumulate_dtype=acc, on_nonfinite="skip")
+            outcome["skipped"] = res.skipped
+        except ValueError as exc:
+            outcome["error"] = str(exc)
+        outcome["unchanged"] = all(
+            torch.equal(v.detach().cpu(), before[k]) for k, v in model.module.named_parameters()
+        )
+        torch.save(outcome, os.path.join(out_dir, f"agree_{name}_{rank}.pt"))
+
+
 def _worker(rank, port, out_dir, device):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
@@ -101,6 +153,7 @@ def _worker(rank, port, out_dir, device):
                 },
                 os.path.join(out_dir, f"{name}_{rank}.pt"),
             )
+        _agreement(rank, device, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -125,9 +178,23 @@ def ddp_results(request, tmp_path_factory):
             network = ("EADDRINUSE", "address already in use", "Connection", "Socket", "Gloo", "timed out", "Timeout")
             if attempt == 2 or not any(k in str(exc) for k in network):
                 raise
-    return {
-        name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS
-    }
+    results = {name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS}
+    for name in AGREEMENT:
+        results[f"agree_{name}"] = [torch.load(out / f"agree_{name}_{r}.pt") for r in range(WORLD)]
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(AGREEMENT))
+def test_ddp_fault_on_one_rank_stops_every_rank(ddp_results, name):
+    # A NaN gradient or an invalid count on rank 0 alone: every rank skips (or raises) and no
+    # replica changes; a rank that stepped would silently diverge from the others.
+    ranks = ddp_results[f"agree_{name}"]
+    for rank, outcome in enumerate(ranks):
+        if AGREEMENT[name][0] == "nan":
+            assert outcome.get("skipped") is True, (rank, outcome)
+        else:
+            assert "non-negative integer" in outcome.get("error", ""), (rank, outcome)
+        assert outcome["unchanged"], (rank, outcome)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
