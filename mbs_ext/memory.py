@@ -1,12 +1,14 @@
-"""Choosing the micro-batch size from a measurement of what one sample costs.
+"""Choosing the micro-batch size from measured peaks of real probe steps.
 
-``plan_micro_batch`` runs the forward pass (and loss) on two small probe micro-batches
-and records every tensor autograd saves for backward (``saved_tensors_hooks``). The
-difference between the two probes gives the activation bytes per sample, the rest is
-a fixed cost; add the input bytes each sample occupies in the ring's slots and the
-gradient/accumulator memory, and the largest micro-batch that fits the budget follows.
-Probes run with RNG state and module buffers restored afterwards, so planning never
-changes what the training step computes.
+``plan`` (behind ``micro_batch_size="auto"`` and ``plan_micro_batch``) runs forward,
+loss and backward on small probe micro-batches after one warm-up (workspaces created
+once are resident, not per-step cost) and measures the peak each adds: CUDA allocator
+statistics on a GPU, a dispatch-level live-bytes tracker (``PeakTracker``) on the CPU.
+A straight line through two probes gives fixed + per-row bytes; staged inputs and float
+accumulation buffers are added by count; the size that suggests is then measured itself
+and shrunk until it fits. Probes restore RNG state, module buffers and ``.grad``, so
+planning never changes what the training step computes. ``default_budget`` and
+``cuda_room`` know the device's real limit (the per-process memory fraction included).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -218,7 +221,13 @@ def measure_peak(
     it, and the resident sum itself is not counted; otherwise the probe starts without
     ``.grad`` and the gradients count. The micro-batch's own tensors are resident
     already and not counted.
+
+    A DDP model is probed through its wrapped module: DDP's forward and backward run
+    collectives, and ranks plan on their own data, so they may probe different numbers
+    of times; a collective that only some ranks enter would hang or mismatch.
     """
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
     device = _checks.model_device(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if accumulating and p.requires_grad else None

@@ -205,9 +205,12 @@ class MicroBatchStreamer:
                 break
             except BaseException as exc:
                 attempt.rollback(clear_grads=True)
-                # Back off only while nothing irreversible happened: not once the
-                # optimizer started stepping, and never under DDP (ranks would diverge).
-                if not _memory.is_out_of_memory(exc) or m == 1 or attempt.ddp or attempt.stepping:
+                # Back off only where a smaller micro-batch helps (out of memory while
+                # streaming: not in the finish, whose casts and norms do not depend on it),
+                # and only while nothing irreversible happened: not once the optimizer
+                # started stepping, and never under DDP (ranks would diverge).
+                streaming = 0 <= attempt.index < attempt.num_mb
+                if not _memory.is_out_of_memory(exc) or m == 1 or attempt.ddp or attempt.stepping or not streaming:
                     _annotate(exc, attempt, m)
                     raise
                 _annotate(exc, attempt, m)

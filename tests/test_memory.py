@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import assert_models_match, full_batch_step, snapshot
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import mbs_ext
 from mbs_ext.memory import measure_saved_bytes
@@ -329,3 +330,32 @@ def test_cuda_room_honours_the_process_cap():
     # Uncapped: the device's free memory plus the allocator's unused cache.
     assert cuda_room(total=80 * gib, fraction=1.0, allocated=gib, reserved=2 * gib, free=10 * gib) == 11 * gib
     assert cuda_room(total=8 * gib, fraction=0.1, allocated=2 * gib, reserved=2 * gib, free=6 * gib) == 0
+
+
+class _OOMInNorm(TorchFunctionMode):
+    """Fails the gradient-norm computation of the step's finish with a real OutOfMemoryError
+    (the micro-batches all succeed)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.linalg.vector_norm, torch._foreach_norm):
+            raise torch.OutOfMemoryError("injected: out of memory in the gradient norm")
+        return func(*args, **(kwargs or {}))
+
+
+def test_out_of_memory_after_streaming_is_not_retried():
+    # A smaller micro-batch cannot help the finish (casts, norms): raise at once, lose nothing.
+    torch.manual_seed(0)
+    model = OOMAbove(limit=10**9, at=0)
+    batch = (torch.randn(40, 32, dtype=torch.float64), torch.randint(0, 5, (40,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = snapshot(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(torch.OutOfMemoryError) as info, _OOMInNorm():
+            mbs_ext.step(model, opt, batch, ce, micro_batch_size=10, max_grad_norm=1.0)
+    assert not [w for w in caught if "redoing the step" in str(w.message)]
+    assert model.calls == 4  # four micro-batches, streamed once: no redo, no probes
+    assert "while finishing the step" in "\n".join(getattr(info.value, "__notes__", []))
+    after = snapshot(model, opt)
+    for k in before["params"]:
+        assert torch.equal(before["params"][k], after["params"][k])

@@ -126,6 +126,18 @@ def _agreement(rank, device, out_dir):
             torch.equal(v.detach().cpu(), before[k]) for k, v in model.module.named_parameters()
         )
         torch.save(outcome, os.path.join(out_dir, f"agree_{name}_{rank}.pt"))
+    # "auto" plans on each rank's own rows, so ranks probe different numbers of times: the
+    # probes must not run DDP's collectives.
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
+    )
+    x = torch.randn((8, 4000)[rank], 32, generator=torch.Generator().manual_seed(rank))
+    res = mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, lambda m, b: m(b).pow(2).mean(),
+                       micro_batch_size="auto", memory_budget=2_000_000)
+    torch.save({"loss": res.loss, "m": res.micro_batch_size,
+                "params": [p.detach().cpu().clone() for p in model.parameters()]},
+               os.path.join(out_dir, f"agree_auto_{rank}.pt"))
 
 
 def _worker(rank, port, out_dir, device):
@@ -181,7 +193,16 @@ def ddp_results(request, tmp_path_factory):
     results = {name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS}
     for name in AGREEMENT:
         results[f"agree_{name}"] = [torch.load(out / f"agree_{name}_{r}.pt") for r in range(WORLD)]
+    results["agree_auto"] = [torch.load(out / f"agree_auto_{r}.pt") for r in range(WORLD)]
     return results
+
+
+def test_ddp_auto_plans_per_rank_without_collectives(ddp_results):
+    r0, r1 = ddp_results["agree_auto"]
+    assert r0["m"] != r1["m"]  # each rank planned on its own rows (8 and 4,000)
+    assert r0["loss"] == r1["loss"]
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", sorted(AGREEMENT))
