@@ -119,12 +119,40 @@ def model_device(model: nn.Module) -> torch.device:
     raise ValueError("model has no parameters, so it has no device to stream micro-batches to")
 
 
+_SCALER_UNSCALES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _scaler_unscales(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's own GradScaler unscales ``dtype`` gradients on ``device`` (asked once)."""
+    key = (device.type, dtype)
+    if key not in _SCALER_UNSCALES:
+        p = nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        p.grad = torch.zeros_like(p)
+        probe = torch.amp.GradScaler(device.type)
+        probe.scale(torch.ones((), device=device))
+        try:
+            probe.unscale_(torch.optim.SGD([p], lr=0.0))
+            _SCALER_UNSCALES[key] = True
+        except (RuntimeError, ValueError):  # NotImplementedError is a RuntimeError
+            _SCALER_UNSCALES[key] = False
+    return _SCALER_UNSCALES[key]
+
+
 def check_scaler_params(scaler: Any, params: list[nn.Parameter], device: torch.device) -> None:
-    """torch's GradScaler cannot unscale bf16 gradients on CUDA: say so before the step starts."""
-    if scaler is None or device.type != "cuda":
+    """Refuse, before the step starts, the parameter dtypes whose gradients torch's
+    GradScaler will not unscale (fp16 everywhere, bf16 on CUDA): it would fail only
+    after every micro-batch had run."""
+    if scaler is None or not scaler.is_enabled():
         return
-    if any(p.dtype == torch.bfloat16 for p in params):
+    for dtype in sorted({p.dtype for p in params} & {torch.float16, torch.bfloat16}, key=str):
+        if _scaler_unscales(device, dtype):
+            continue
+        if dtype == torch.bfloat16:
+            raise ValueError(
+                f"scaler: torch.amp.GradScaler cannot unscale bf16 gradients on {device.type}, and bf16 "
+                "parameters need no loss scaling (bf16 has float32's exponent range); pass scaler=None"
+            )
         raise ValueError(
-            "scaler: torch.amp.GradScaler cannot unscale bf16 gradients on CUDA, and bf16 parameters need "
-            "no loss scaling (bf16 has float32's exponent range); pass scaler=None"
+            "scaler: torch.amp.GradScaler refuses to unscale fp16 gradients (the model has fp16 parameters); "
+            "keep float32 parameters and pass autocast_dtype=torch.float16, or pass scaler=None"
         )

@@ -665,7 +665,7 @@ def _torch_scaler_unscales(dtype, device):
     scaler.scale(torch.ones((), device=device))  # creates the scale, as a step would
     try:
         scaler.unscale_(torch.optim.SGD([p], lr=0.0))
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError, ValueError):  # fp16: "Attempting to unscale FP16 gradients"
         return False
     return True
 
@@ -698,6 +698,25 @@ def test_bf16_model_with_scaler_and_fp32_buffers(device):
     for p, q in zip(model.parameters(), exact.parameters(), strict=True):
         assert p.grad.dtype == torch.bfloat16
         assert rel_err(p.grad, q.grad) < 3e-2
+
+
+def test_fp16_model_with_scaler_is_refused_before_any_micro_batch(device):
+    # torch's GradScaler refuses to unscale fp16 gradients; that must be said up front, not
+    # after every micro-batch has run.
+    torch.manual_seed(0)
+    calls = []
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).half().to(device)
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    scaler = scaler_for(device, init_scale=2.0**12)
+    x, y = pair(21, torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt, scaler)
+    assert not _torch_scaler_unscales(torch.float16, device)  # the premise: torch's own refusal
+    with pytest.raises(ValueError, match="scaler: .*fp16"):
+        mbs_ext.step(model, opt, (x.half(), y.half()), lambda m, b: F.mse_loss(m(b[0]).float(), b[1].float()),
+                     micro_batch_size=4, scaler=scaler)
+    assert calls == []
+    assert_bit_identical(snapshot(model, opt, scaler), before)
 
 
 def test_streamer_count_callable_over_several_steps(device):

@@ -131,7 +131,11 @@ def main(args: argparse.Namespace) -> int:
         for k in MULTIPLES:
             cfg = {**base, "mode": "mbs", "batch": k * limit, "steps": args.steps}
             runs[f"mbs_{k}x"].append(_run(cfg, args.child_timeout))
-    full = statistics.median(r["samples_per_s"] for r in runs["full"])
+    full_ok = [r for r in runs["full"] if not r["oom"]]
+    if not full_ok:  # the limit found by bisection stopped fitting: nothing to compare against
+        print(f"the full batch of {limit} rows ran out of memory in every round", file=sys.stderr)
+        return 1
+    full = statistics.median(r["samples_per_s"] for r in full_ok)
     rows = [{"variant": "full batch", "mini_batch": limit, "micro_batch": limit, "samples_per_s": round(full, 1),
              "vs_full": 1.0}]
     for k in MULTIPLES:
