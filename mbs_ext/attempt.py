@@ -92,11 +92,15 @@ class Attempt:
         self.s.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def rollback(self, clear_grads: bool, restore_scaler: bool = True) -> None:
-        """Undo every change made before the optimizer step (RNG too: a redo draws the same)."""
+    def rollback(self, clear_grads: bool, restore_scaler: bool = True, restore_rng: bool = True) -> None:
+        """Undo every change made before the optimizer step; the RNG too when the step may be
+        redone or retried (a redo draws the same), not for a skipped step, after which
+        training goes on as after any step (the next one draws new random numbers)."""
         for layer in self.bn:
             layer.discard()
-        self.snapshot.restore()
+        self.snapshot.restore_buffers()
+        if restore_rng:
+            self.snapshot.restore_rng()
         if clear_grads:
             self._clear_grads()
         scaler = self.s.scaler
@@ -244,7 +248,7 @@ class Attempt:
             if s.scaler is not None:
                 s.scaler.update()  # backs off when the gradients overflowed
                 self.updated = True
-            self.rollback(clear_grads=False, restore_scaler=False)
+            self.rollback(clear_grads=False, restore_scaler=False, restore_rng=False)
         else:
             for layer in self.bn:
                 layer.commit()

@@ -475,6 +475,44 @@ def test_nonfinite_skip_changes_nothing_and_warns(device):
     assert_bit_identical(snapshot(model, opt), before)
 
 
+def _rng_states(device):
+    states = [torch.get_rng_state()]
+    if device == "cuda":
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+@pytest.mark.parametrize("outcome", ["skipped", "failed"])
+def test_random_numbers_after_a_skipped_or_failed_step(outcome, device):
+    # A skipped step happened, like a plain training step that drew its dropout masks: the
+    # next step draws new ones. A failed step (an exception) is undone, random state included,
+    # so that running it again computes what it would have.
+    torch.manual_seed(0)
+    x, y = pair(10)
+    model = nn.Sequential(nn.Linear(x.shape[1], 8), nn.Dropout(0.5), nn.Linear(8, y.shape[1]))
+    model = model.to(device=device, dtype=x.dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if outcome == "skipped":
+        y[9, 0] = float("nan")
+        loss_fn = mse
+    else:
+        def loss_fn(m, b, calls=[]):  # noqa: B006 - counts calls across micro-batches
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected")
+            return mse(m, b)
+    before = _rng_states(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if outcome == "skipped":
+            assert mbs_ext.step(model, opt, (x, y), loss_fn, micro_batch_size=4).skipped
+        else:
+            with pytest.raises(RuntimeError, match="injected"):
+                mbs_ext.step(model, opt, (x, y), loss_fn, micro_batch_size=4)
+    same = all(torch.equal(a, b) for a, b in zip(_rng_states(device), before, strict=True))
+    assert same == (outcome == "failed")
+
+
 def test_nonfinite_raise(device):
     model, opt, _, _ = twins(mlp(), device=device)
     before = snapshot(model, opt)
