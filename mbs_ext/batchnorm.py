@@ -80,10 +80,14 @@ class _DeferredStats:
         var = m2 / (n - 1) if n > 1 else torch.full_like(m2, float("nan"))
         rm, rv = self.running_mean, self.running_var
         if self.momentum is None:
-            # Cumulative average: the factor stays on the device (reading it would sync).
-            factor = 1.0 / self.num_batches_tracked.to(rm.dtype)
-            rm.mul_(1 - factor).add_(mean.to(rm.dtype) * factor)
-            rv.mul_(1 - factor).add_(var.to(rv.dtype) * factor)
+            # Cumulative average: the factor stays on the device (reading it would sync), in
+            # float64, and the update runs in at least float32 (as nn.BatchNorm's kernels do):
+            # in bf16, 1 - 1/n rounds to 1 once n passes a few hundred.
+            factor = 1.0 / self.num_batches_tracked.to(torch.float64)
+            for buf, new in ((rm, mean), (rv, var)):
+                acc = torch.promote_types(buf.dtype, torch.float32)
+                f = factor.to(acc)
+                buf.copy_(buf.to(acc) * (1 - f) + new.to(acc) * f)
             return
         factor = self.momentum
         rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)

@@ -161,3 +161,21 @@ def loss_fn_seq(model, x):
 def test_convert_rejects_non_module():
     with pytest.raises(TypeError, match="module"):
         mbs_ext.convert_batchnorm("bn")
+
+
+def test_cumulative_average_in_bf16_keeps_counting(device):
+    # momentum=None averages every mini-batch with weight 1/n; in bf16 arithmetic 1 - 1/n
+    # rounds to 1 once n passes a few hundred and later batches would stop counting.
+    layer = mbs_ext.convert_batchnorm(nn.BatchNorm1d(2, momentum=None)).to(device=device, dtype=torch.bfloat16)
+    means = []
+    for k in range(600):
+        shift = 0.0 if k < 300 else 4.0  # the second half moves the true average
+        x = (torch.randn(16, 2, generator=torch.Generator().manual_seed(k)) + shift).to(device, torch.bfloat16)
+        layer.begin_mini_batch()
+        layer(x)
+        layer.commit()
+        means.append(x.double().mean(0).cpu())
+    expected = torch.stack(means).mean(0)
+    assert torch.allclose(layer.running_mean.double().cpu(), expected, rtol=2e-2, atol=2e-2), (
+        layer.running_mean, expected,
+    )
