@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mbs_ext import _checks
+from mbs_ext import accumulate as _acc
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext.snapshot import Snapshot
@@ -380,11 +381,14 @@ def plan_micro_batch(
     indices: torch.Tensor | None = None,
     slots: int = 2,
     autocast_dtype: torch.dtype | None = None,
+    accumulate_dtype: torch.dtype | None = None,
 ) -> MicroBatchPlan:
     """Estimate the largest micro-batch of ``batch`` whose step fits ``memory_budget`` bytes.
 
-    ``loss_fn`` follows :func:`mbs_ext.step`'s convention. On CUDA the budget defaults to
-    the free device memory times a safety factor; on CPU it is required.
+    ``loss_fn`` follows :func:`mbs_ext.step`'s convention, and ``accumulate_dtype`` means
+    what it means there (by default float32 buffers when some parameter is bf16/fp16, which
+    the plan counts). On CUDA the budget defaults to the room the device and the process's
+    memory fraction leave, times a safety factor; on CPU it is required.
     """
     _checks.check_model(model)
     _checks.trainable(model)  # raises when nothing is trainable
@@ -404,5 +408,6 @@ def plan_micro_batch(
         num_rows=rows,
         indices=indices,
         slots=slots,
+        accumulate_dtype=_acc.accumulation_dtype(accumulate_dtype, _checks.trainable(model)),
         autocast_dtype=autocast_dtype,
     )

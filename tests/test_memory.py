@@ -359,3 +359,19 @@ def test_out_of_memory_after_streaming_is_not_retried():
     after = snapshot(model, opt)
     for k in before["params"]:
         assert torch.equal(before["params"][k], after["params"][k])
+
+
+def test_plan_micro_batch_counts_the_float32_buffers_of_a_bf16_model():
+    # The step accumulates a bf16 model's gradients in float32 buffers; the public planner
+    # must plan the same step, so it picks what micro_batch_size="auto" picks.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4)).bfloat16()
+    batch = (torch.randn(256, 64).bfloat16(), torch.randint(0, 4, (256,)))
+    budget = 3 * 2**20
+    plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=budget)
+    as_fp32_buffers = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=budget, accumulate_dtype=torch.float32)
+    without = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=budget, accumulate_dtype=torch.bfloat16)
+    assert plan.fixed_bytes == as_fp32_buffers.fixed_bytes > without.fixed_bytes
+    streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.0), ce,
+                                          micro_batch_size="auto", memory_budget=budget)
+    assert streamer.step(batch).micro_batch_size == plan.micro_batch_size
