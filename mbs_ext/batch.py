@@ -86,17 +86,6 @@ def split_offsets(rows: int, micro_batch_size: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def devices(batch: Any) -> set[torch.device]:
-    """The devices the tensor leaves of ``batch`` live on."""
-    return {t.device for t in tensor_leaves(batch)}
-
-
-def narrow(batch: Any, start: int, length: int) -> Any:
-    """Rows ``[start, start + length)`` of every tensor leaf (views, no copy)."""
-    return pytree.tree_map(
-        lambda x: x.narrow(0, start, length) if isinstance(x, torch.Tensor) else x, batch
-    )
-
 
 def take(batch: Any, rows: torch.Tensor) -> Any:
     """Rows ``rows`` (1-d int64) of every tensor leaf, gathered into fresh tensors."""
