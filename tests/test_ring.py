@@ -186,6 +186,20 @@ def test_indices_repeats_and_random_order():
     assert ring.stats()["micro_batches"] == 13
 
 
+def test_stream_reads_what_it_was_given_when_the_caller_changes_it_in_place():
+    # The gather reads rows by raw pointer while the caller goes on: a reused shuffle buffer
+    # refilled in place, or a batch tensor pointed at other memory, must not change (or
+    # overrun) what an open stream reads.
+    data = torch.arange(400.0).reshape(200, 2)
+    idx = torch.randperm(200, generator=torch.Generator().manual_seed(0))
+    expected = data[idx].clone()
+    it = iter(StreamRing("cpu").stream(data, 10, indices=idx))
+    first = next(it)
+    idx.fill_(10**9)
+    data.set_(torch.zeros(1, 2))
+    assert torch.equal(torch.cat([first, *it]), expected)
+
+
 def test_indices_int32_accepted():
     data = torch.arange(20).reshape(10, 2)
     idx = torch.tensor([9, 0, 0, 3], dtype=torch.int32)

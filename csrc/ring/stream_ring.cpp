@@ -35,8 +35,10 @@ at::Tensor checked_indices(const std::optional<at::Tensor>& indices, int64_t row
   TORCH_CHECK_VALUE(idx.device().is_cpu() && idx.dim() == 1 && idx.numel() > 0 &&
                         (idx.scalar_type() == at::kLong || idx.scalar_type() == at::kInt),
                     "StreamRing: indices must be a non-empty 1-d int64 CPU tensor");
-  at::Tensor out = idx.to(at::kLong).contiguous();
-  // The gather reads rows by raw pointer: one range check, whatever the caller did.
+  // A private copy: the gather reads rows by raw pointer long after this check, so the
+  // caller's tensor (a reused shuffle buffer, say) must not be able to change under it.
+  at::Tensor out = idx.to(at::kLong).clone(at::MemoryFormat::Contiguous);
+  // One range check, whatever the caller did.
   const auto* p = out.const_data_ptr<int64_t>();
   const auto [lo, hi] = std::minmax_element(p, p + out.numel());
   TORCH_CHECK_INDEX(*lo >= 0 && *hi < rows, "StreamRing: indices must lie in [0, ", rows, "), got [", *lo, ", ",
@@ -79,12 +81,20 @@ bool rows_are_dense(const at::Tensor& t) {
   }
 }
 
+// Tensors of our own over the caller's storage: staging reads sizes, strides and data
+// pointers long after they were checked, so an in-place resize_ or set_ on the caller's
+// tensor objects must not change what this stream reads (its storage stays alive here).
+std::vector<at::Tensor> aliases(std::vector<at::Tensor> leaves) {
+  for (auto& t : leaves) t = t.alias();
+  return leaves;
+}
+
 }  // namespace
 
 RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
                            std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
                            std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers)
-    : leaves_(std::move(leaves)),
+    : leaves_(aliases(std::move(leaves))),
       micro_batch_size_(micro_batch_size),
       indices_(checked_indices(indices, rows_of(leaves_))),
       total_rows_(indices_.defined() ? indices_.numel() : rows_of(leaves_)),
