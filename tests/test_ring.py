@@ -126,9 +126,7 @@ def test_split_sizes_balanced():
 
 
 def test_split_sizes_agrees_with_batch_module():
-    batch_mod = pytest.importorskip("mbs_ext.batch")
-    if not hasattr(batch_mod, "split_sizes"):
-        pytest.skip("mbs_ext.batch.split_sizes is not on this branch yet")
+    import mbs_ext.batch as batch_mod
     from mbs_ext.ring import split_sizes
 
     for n in range(1, 60):
@@ -222,10 +220,13 @@ def test_bad_indices_refused_by_the_native_ring_too():
 def test_worker_error_surfaces_in_the_caller():
     # A micro-batch too big to allocate: the worker's allocation fails, and the error
     # (still an out-of-memory error, so step's back-off sees it) reaches next().
-    huge = torch.zeros(1, 1).expand(2**42, 1)  # 4 TiB per micro-batch once staged
+    # 1 PiB per micro-batch once staged: beyond any address space, whatever the kernel's
+    # overcommit policy (a 4 TiB request can succeed where overcommit is unlimited).
+    huge = torch.zeros(1, 1).expand(2**52, 1)
     ring = StreamRing("cpu")
+    gc.collect()  # rings of earlier tests left in cycles must not stop their threads mid-count
     n_before = os_threads()
-    it = ring.stream((huge, "meta"), 2**40)
+    it = ring.stream((huge, "meta"), 2**50)
     with pytest.raises(torch.OutOfMemoryError) as info:
         next(it)
     assert "micro-batch 0" in str(info.value)
@@ -245,6 +246,7 @@ def test_early_break_and_thread_count():
     ring = StreamRing("cpu")
     list(ring.stream(data, 8))  # warm-up: lazily started pools
     gc.collect()
+    gc.collect()
     before = os_threads()
     for k in range(100):
         it = ring.stream(data, 3 + k % 5, indices=torch.randperm(64) if k % 3 == 0 else None)
@@ -260,6 +262,7 @@ def test_early_break_and_thread_count():
 
 def test_gc_and_dropping_ring_stop_worker():
     data = torch.randn(1000, 16)
+    gc.collect()
     before = os_threads()
     it = StreamRing("cpu").stream(data, 10)  # the ring is a temporary
     next(it)
@@ -534,6 +537,7 @@ def test_cuda_on_side_stream_and_early_break():
     data = torch.randn(100, 8)
     ring = StreamRing("cuda")
     side = torch.cuda.Stream()
+    gc.collect()
     before = os_threads()
     with torch.cuda.stream(side):
         got = []
@@ -664,6 +668,7 @@ def test_staging_threads_argument_and_default():
 
 
 def test_staging_threads_are_the_rings_own():
+    gc.collect()
     before = os_threads()
     ring = StreamRing("cpu", staging_threads=3)
     assert os_threads() == before + 2  # the caller's worker thread counts as the third
