@@ -586,6 +586,49 @@ def test_cuda_copy_overlaps_kernel():
     it.close()
 
 
+@needs_cuda
+def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing():
+    # A real cap: the caller keeps every micro-batch, so the ring's device allocations
+    # fail part-way through the stream (in its optional reservation ahead, which is
+    # ignored, and then in a copy's own allocation, which is raised). Every micro-batch
+    # handed out before is exact and in order, the stream is over for good (the native
+    # handle raises again instead of skipping ahead), nothing the ring allocated stays
+    # allocated, and the ring streams again once memory is back.
+    mib = 1 << 20
+    rows, row_bytes = 16, 64 * mib
+    data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8)
+    ring = StreamRing("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 5.5 * row_bytes) / total)
+    kept = []
+    try:
+        handle = ring._ring.open([data], 1, None)
+        with pytest.raises(torch.OutOfMemoryError):
+            while True:
+                out = handle.next()
+                assert out is not None, "the cap never bit"
+                kept.append(out[0])
+        assert 2 <= len(kept) < rows
+        assert handle.index == len(kept) - 1
+        with pytest.raises(RuntimeError, match="ended with an error"):
+            handle.next()
+        assert handle.closed
+        torch.cuda.synchronize()
+        for j, got in enumerate(kept):
+            assert torch.equal(got.cpu(), data[j : j + 1]), j
+        del got, out
+        kept.clear()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == base
+    finally:
+        kept.clear()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert torch.equal(torch.cat([mb.cpu() for mb in ring.stream(data[:5], 2)]), data[:5])
+
+
 def test_dropped_buffers_recycled_kept_ones_untouched():
     # Host memory of dropped micro-batches is reused; micro-batches still referenced
     # (even as a view) are never written again, across many streams.

@@ -7,6 +7,7 @@
 #include <c10/util/strides.h>
 
 #include <algorithm>
+#include <memory>
 
 namespace mbs {
 
@@ -27,22 +28,25 @@ size_t HostBufferPool::cached() const {
   return free_.size();
 }
 
+HostBufferPool::HostBufferPool(size_t max_cached) : max_cached_(max_cached) { free_.reserve(max_cached_); }
+
 void HostBufferPool::cache_at_least(size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  max_cached_ = std::max(max_cached_, n);
+  if (n <= max_cached_) return;
+  free_.reserve(n);  // may throw here, never in give_back
+  max_cached_ = n;
 }
 
-void HostBufferPool::release(void* ctx) {
-  auto* buf = static_cast<PooledBuffer*>(ctx);
+void HostBufferPool::release(void* ctx) noexcept {
+  std::unique_ptr<PooledBuffer> buf(static_cast<PooledBuffer*>(ctx));
   buf->pool->give_back(buf->ptr, buf->nbytes);
-  delete buf;
 }
 
-void HostBufferPool::give_back(void* ptr, size_t nbytes) {
+void HostBufferPool::give_back(void* ptr, size_t nbytes) noexcept {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (free_.size() < max_cached_) {
-      free_.emplace_back(nbytes, ptr);
+      free_.emplace_back(nbytes, ptr);  // within the reserved capacity: no allocation
       return;
     }
   }
@@ -71,8 +75,14 @@ at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
                        e.what_without_backtrace());
     }
   }
-  auto* ctx = new PooledBuffer{shared_from_this(), ptr, nbytes};
-  c10::DataPtr data(ptr, ctx, &HostBufferPool::release, c10::Device(c10::kCPU));
+  std::unique_ptr<PooledBuffer> owner;
+  try {
+    owner.reset(new PooledBuffer{shared_from_this(), ptr, nbytes});
+  } catch (...) {
+    give_back(ptr, nbytes);
+    throw;
+  }
+  c10::DataPtr data(ptr, owner.release(), &HostBufferPool::release, c10::Device(c10::kCPU));
   // Resizable with the CPU allocator: growing the tensor later moves it to new
   // memory and hands this buffer back to the pool.
   auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,

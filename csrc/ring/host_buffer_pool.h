@@ -18,7 +18,7 @@ namespace mbs {
 
 class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
  public:
-  explicit HostBufferPool(size_t max_cached) : max_cached_(max_cached) {}
+  explicit HostBufferPool(size_t max_cached);
   ~HostBufferPool();
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
@@ -29,8 +29,10 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   void cache_at_least(size_t n);
 
  private:
-  static void release(void* ctx);
-  void give_back(void* ptr, size_t nbytes);
+  // The tensor's deleter: runs wherever the last reference goes, so it never throws
+  // (free_ keeps capacity for max_cached entries; push_back within it cannot fail).
+  static void release(void* ctx) noexcept;
+  void give_back(void* ptr, size_t nbytes) noexcept;
 
   mutable std::mutex mu_;
   size_t max_cached_;

@@ -32,6 +32,7 @@ class HostTransfer final : public DeviceTransfer {
 
   void deliver(DeviceBatch& /*batch*/) override {}
   void discard(DeviceBatch& batch) override { batch.tensors.clear(); }
+  void release_reserved() noexcept override {}
 
  private:
   const std::shared_ptr<HostBufferPool> pool_;

@@ -81,6 +81,22 @@ bool rows_are_dense(const at::Tensor& t) {
   }
 }
 
+// One line on the exception in flight, for the error later next() calls raise.
+std::string describe_current_exception() {
+  std::string what;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  const size_t cut = what.find('\n');
+  if (cut != std::string::npos) what.resize(cut);
+  return what.empty() ? std::string("unknown error") : what;
+}
+
 // Tensors of our own over the caller's storage: staging reads sizes, strides and data
 // pointers long after they were checked, so an in-place resize_ or set_ on the caller's
 // tensor objects must not change what this stream reads (its storage stays alive here).
@@ -173,45 +189,88 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!superseded_,
               "StreamRing: this stream was closed because a new stream was started on the same ring");
+  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error at an earlier micro-batch: ", failed_);
   if (closed_) return std::nullopt;
-  auto take = [&](const native::RingCore::Ticket& t) {
-    DeviceBatch b = transfer_->enqueue(t.item, t.slot, std::move(staged_[static_cast<size_t>(t.slot)]));
-    staged_[static_cast<size_t>(t.slot)].clear();
-    core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
-    return b;
-  };
-  DeviceBatch batch;
+  std::optional<native::RingCore::Ticket> ticket;
+  if (!pending_) {
+    try {
+      ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
+    } catch (...) {
+      stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+      throw;
+    }
+    stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+    if (!ticket) {
+      close_locked();
+      return std::nullopt;
+    }
+  }
+  // From here on a failure is the consumer's (allocating or copying on the device):
+  // every micro-batch in flight is dropped safely for its memory and the stream ends.
+  std::optional<DeviceBatch> batch;
   try {
+    auto take = [&](const native::RingCore::Ticket& t) {
+      auto& staged = staged_[static_cast<size_t>(t.slot)];
+      std::vector<at::Tensor> host = std::move(staged);
+      staged.clear();
+      DeviceBatch b = transfer_->enqueue(t.item, t.slot, std::move(host));
+      core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
+      return b;
+    };
     if (pending_) {
-      batch = std::move(*pending_);
+      batch = std::move(pending_);
       pending_.reset();
     } else {
-      auto ticket = core_->acquire();
-      stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
-      if (!ticket) {
-        close_locked();
-        return std::nullopt;
-      }
       batch = take(*ticket);
     }
     // Overlap: when the following micro-batch is staged already, start its copy now.
     if (auto ahead = core_->try_acquire()) pending_ = take(*ahead);
-    transfer_->deliver(batch);
-    prepare_next(pending_ ? pending_->item + 1 : batch.item + 1);
+    transfer_->deliver(*batch);
+    prepare_next(pending_ ? pending_->item + 1 : batch->item + 1);
   } catch (...) {
-    stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+    failed_ = describe_current_exception();
+    if (batch) drop(*batch);
+    close_locked();
     throw;
   }
-  index_ = batch.item;
-  rows_ = native::micro_batch_range(total_rows_, micro_batch_size_, batch.item);
+  {
+    std::lock_guard<std::mutex> pos(pos_mu_);
+    index_ = batch->item;
+    rows_ = native::micro_batch_range(total_rows_, micro_batch_size_, batch->item);
+  }
   stats_->micro_batches.fetch_add(1);
-  return std::move(batch.tensors);
+  return std::move(batch->tensors);
+}
+
+int64_t RingIterator::index() const {
+  std::lock_guard<std::mutex> pos(pos_mu_);
+  return index_;
+}
+
+std::pair<int64_t, int64_t> RingIterator::rows() const {
+  std::lock_guard<std::mutex> pos(pos_mu_);
+  return rows_;
 }
 
 void RingIterator::prepare_next(int64_t item) {
   if (item >= items_) return;
   const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
-  transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
+  try {
+    transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
+  } catch (const c10::OutOfMemoryError&) {
+    // The reservation is optional: enqueue allocates when the micro-batch's turn comes.
+  }
+}
+
+void RingIterator::drop(DeviceBatch& batch) noexcept {
+  try {
+    transfer_->discard(batch);
+  } catch (...) {
+    // Not even the wait for its copy could be enqueued (a failing device). Keep the
+    // memory rather than free it under a copy that may still write it.
+    new std::vector<at::Tensor>(std::move(batch.tensors));  // NOLINT: deliberate leak
+  }
+  batch.tensors.clear();
 }
 
 void RingIterator::close_locked() {
@@ -222,8 +281,9 @@ void RingIterator::close_locked() {
   if (pending_) {
     DeviceBatch batch = std::move(*pending_);
     pending_.reset();
-    transfer_->discard(batch);
+    drop(batch);
   }
+  transfer_->release_reserved();
   for (auto& s : staged_) s.clear();
 }
 

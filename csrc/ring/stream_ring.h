@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -65,15 +66,19 @@ class DeviceTransfer {
   // Consumer: reserves device memory for micro-batch `item` (in `slot`) on the
   // current stream now, before the consumer enqueues more compute, so that its copy
   // later waits only for work enqueued before this point (a per-slot event), never
-  // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise.
+  // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise,
+  // so the ring ignores an out-of-memory error here (it leaves nothing reserved).
   virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) = 0;
   // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
-  // tensors on the current stream, copy enqueued on the copy stream).
+  // tensors on the current stream, copy enqueued on the copy stream). If it throws,
+  // nothing it enqueued can still touch memory that is freed or reused afterwards.
   virtual DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) = 0;
   // Consumer: makes the batch usable on the current stream (device-side waits only).
   virtual void deliver(DeviceBatch& batch) = 0;
   // Consumer: drops a batch that will never be handed out, safely for its memory.
   virtual void discard(DeviceBatch& batch) = 0;
+  // Consumer, when the stream closes: gives back memory prepare() reserved.
+  virtual void release_reserved() noexcept = 0;
 };
 
 std::unique_ptr<DeviceTransfer> make_host_transfer(std::shared_ptr<HostBufferPool> pool);
@@ -90,15 +95,17 @@ class RingIterator {
   RingIterator& operator=(const RingIterator&) = delete;
 
   // The next micro-batch (one tensor per leaf), or nullopt after the last one.
-  // Rethrows a worker failure at the micro-batch it concerns.
+  // Rethrows a worker failure at the micro-batch it concerns. A failure on the
+  // consumer's side (the device copy) ends the stream: it is closed, every
+  // micro-batch in flight is dropped safely, and later calls raise again.
   std::optional<std::vector<at::Tensor>> next();
   // Stops the worker and joins it. Idempotent.
   void close();
   // close(), and later next() calls raise: a new stream was started on the ring.
   void supersede();
 
-  int64_t index() const { return index_; }
-  std::pair<int64_t, int64_t> rows() const { return rows_; }
+  int64_t index() const;
+  std::pair<int64_t, int64_t> rows() const;
   int64_t num_micro_batches() const { return items_; }
   bool closed() const;
 
@@ -106,6 +113,7 @@ class RingIterator {
   void stage(int64_t item, int slot);  // worker thread
   void prepare_next(int64_t item);      // consumer: reserve device memory for `item`
   void close_locked();
+  void drop(DeviceBatch& batch) noexcept;  // discard() that never throws (error paths)
 
   const std::vector<at::Tensor> leaves_;
   const int64_t micro_batch_size_;
@@ -121,7 +129,11 @@ class RingIterator {
   mutable std::mutex mu_;  // consumer side: next()/close() from any thread
   bool closed_ = false;
   bool superseded_ = false;
+  std::string failed_;  // why a consumer-side failure ended the stream
   std::optional<DeviceBatch> pending_;
+  // Position of the last micro-batch handed out: its own lock, so that index()/rows()
+  // never wait behind a next() that blocks for data.
+  mutable std::mutex pos_mu_;
   int64_t index_ = -1;
   std::pair<int64_t, int64_t> rows_{0, 0};
   std::unique_ptr<native::RingCore> core_;  // last: its thread stops before the rest goes

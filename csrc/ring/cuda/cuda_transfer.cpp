@@ -80,14 +80,19 @@ class CudaTransfer final : public DeviceTransfer {
     release_prepared(slot);
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
-    p.tensors.reserve(leaves.size());
-    for (const at::Tensor& leaf : leaves) {  // fresh device memory, owned by the current stream
-      std::vector<int64_t> shape(leaf.sizes().begin(), leaf.sizes().end());
-      shape[0] = rows;
-      p.tensors.push_back(at::empty(shape, at::TensorOptions().dtype(leaf.scalar_type()).device(device_)));
+    try {
+      p.tensors.reserve(leaves.size());
+      for (const at::Tensor& leaf : leaves) {  // fresh device memory, owned by the current stream
+        std::vector<int64_t> shape(leaf.sizes().begin(), leaf.sizes().end());
+        shape[0] = rows;
+        p.tensors.push_back(at::empty(shape, at::TensorOptions().dtype(leaf.scalar_type()).device(device_)));
+      }
+      // The copy may write that memory once the current stream's work so far is done.
+      C10_CUDA_CHECK(cudaEventRecord(reserved_[static_cast<size_t>(slot)], current.stream()));
+    } catch (...) {
+      release_prepared(slot);  // nothing was written to it: back to the pool at once
+      throw;
     }
-    // The copy may write that memory once the current stream's work so far is done.
-    C10_CUDA_CHECK(cudaEventRecord(reserved_[static_cast<size_t>(slot)], current.stream()));
     p.stream = current.unwrap();
     p.item = item;
   }
@@ -119,9 +124,20 @@ class CudaTransfer final : public DeviceTransfer {
       C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
     }
     batch.alloc_stream = current.unwrap();
-    {
+    try {
       c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
       for (size_t k = 0; k < host.size(); ++k) batch.tensors[k].copy_(host[k], /*non_blocking=*/true);
+    } catch (...) {
+      // Copies enqueued before the failure may still write batch.tensors (freed to the
+      // current stream as this unwinds) and read the slot's pinned memory (refilled
+      // once copied_ fires): mark where they end and order both behind it.
+      if (cudaEventRecord(copied_[static_cast<size_t>(slot)], copy_stream_.stream()) == cudaSuccess) {
+        recorded_[static_cast<size_t>(slot)] = 1;
+        (void)cudaStreamWaitEvent(current.stream(), copied_[static_cast<size_t>(slot)], 0);
+      } else {
+        (void)cudaStreamSynchronize(copy_stream_.stream());
+      }
+      throw;
     }
     C10_CUDA_CHECK(cudaEventRecord(copied_[static_cast<size_t>(slot)], copy_stream_.stream()));
     recorded_[static_cast<size_t>(slot)] = 1;
@@ -136,10 +152,19 @@ class CudaTransfer final : public DeviceTransfer {
       // The caller switched streams since the copy was enqueued. Rather than
       // record_stream, copy into memory owned by the current stream and free the
       // originals on their own stream once that copy (and so the transfer) is done.
+      const c10::cuda::CUDAStream alloc(c10::cuda::CUDAStream::UNCHECKED, batch.alloc_stream);
       std::vector<at::Tensor> own;
       own.reserve(batch.tensors.size());
-      for (const auto& t : batch.tensors) own.push_back(t.clone());
-      const c10::cuda::CUDAStream alloc(c10::cuda::CUDAStream::UNCHECKED, batch.alloc_stream);
+      try {
+        for (const auto& t : batch.tensors) own.push_back(t.clone());
+      } catch (...) {
+        // Clones enqueued so far read the originals: they go back to their stream after them.
+        if (cudaEventRecord(ready_, current.stream()) != cudaSuccess ||
+            cudaStreamWaitEvent(alloc.stream(), ready_, 0) != cudaSuccess) {
+          (void)cudaStreamSynchronize(current.stream());
+        }
+        throw;
+      }
       C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
       C10_CUDA_CHECK(cudaStreamWaitEvent(alloc.stream(), ready_, 0));
       batch.tensors = std::move(own);
@@ -154,6 +179,10 @@ class CudaTransfer final : public DeviceTransfer {
     batch.tensors.clear();
   }
 
+  void release_reserved() noexcept override {
+    for (size_t slot = 0; slot < prepared_.size(); ++slot) release_prepared(static_cast<int>(slot));
+  }
+
  private:
   struct Prepared {
     int64_t item = -1;
@@ -162,7 +191,7 @@ class CudaTransfer final : public DeviceTransfer {
   };
 
   // Unused reserved memory goes back to its stream's pool; nothing was written to it.
-  void release_prepared(int slot) {
+  void release_prepared(int slot) noexcept {
     Prepared& p = prepared_[static_cast<size_t>(slot)];
     p.tensors.clear();
     p.item = -1;
