@@ -70,7 +70,9 @@ class Attempt:
         self.bufs = _acc.GradBuffers(params, self.acc_dtype) if self.acc_dtype is not None else None
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.local_total: _norm.Count = 0.0
-        self.bad_count: torch.Tensor | None = None  # device counts are validated on the device
+        # Device counts are validated on the device: 1 + the first micro-batch whose count is
+        # invalid (0: none; after DDP's collective, -1: only another rank's), read in the probe.
+        self.bad_count: torch.Tensor | None = None
         self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks (buffered grads)
         self.compute_s = 0.0
 
@@ -150,8 +152,8 @@ class Attempt:
             c = _norm.check_count(c)  # read on the host: a copy to the device would block per micro-batch
         if isinstance(c, torch.Tensor):
             c = c.to(self.device)
-            bad = _norm.invalid_count(c)
-            self.bad_count = bad if self.bad_count is None else self.bad_count | bad
+            mark = _norm.invalid_count(c).to(torch.float64) * float(self.index + 1)
+            self.bad_count = mark if self.bad_count is None else torch.where(self.bad_count > 0, self.bad_count, mark)
         self.local_total = self.local_total + c
         return c
 
@@ -205,7 +207,8 @@ class Attempt:
         if self.ddp:
             # A bad count on one rank is already in the total: every rank must learn of it and fail.
             values = _norm.all_reduce_sum([total, self.loss_sum, self._bad_flag()], self.device, self.group)
-            total, self.loss_sum, self.bad_count = values[0], values[1], values[2] > 0
+            total, self.loss_sum = values[0], values[1]
+            self._merge_bad(values[2])
         if self.index > 0:
             _acc.rescale_grads(self.params, _norm.ratio(denom * self.world, total))
         self.global_total = total
@@ -221,7 +224,8 @@ class Attempt:
             # parameters got a gradient on some rank.
             head = [total, self.loss_sum, self._bad_flag(), self.bufs.nonfinite(self.device)]
             values = _norm.all_reduce_sum(head, self.device, self.group, host_tail=[float(g) for g in got_any])
-            total, self.loss_sum, self.bad_count = values[0], values[1], values[2] > 0
+            total, self.loss_sum = values[0], values[1]
+            self._merge_bad(values[2])
             self.found = (values[3] > 0).to(torch.float32)
             if not all(got_any):
                 # Which .grad exist must be known on the host (a host sync, only when this
@@ -241,7 +245,7 @@ class Attempt:
             s.scaler.unscale_(s.optimizer)
         outcome, norm = _update.probe(
             self.params, self.device, self.loss_sum, self.global_total, self._nonfinite(), self.bad_count,
-            s.max_grad_norm,
+            s.max_grad_norm, self._name_bad_count,
         )
         skipped = _update.should_skip(outcome, s.scaler, s.on_nonfinite)
         if skipped:
@@ -264,7 +268,21 @@ class Attempt:
         )
 
     def _bad_flag(self) -> torch.Tensor | float:
-        return self.bad_count.to(torch.float64) if self.bad_count is not None else 0.0
+        return (self.bad_count > 0).to(torch.float64) if self.bad_count is not None else 0.0
+
+    def _merge_bad(self, ranks_with_bad: torch.Tensor) -> None:
+        """After the collective: keep this rank's first bad micro-batch, or -1 if only another rank had one."""
+        local = self.bad_count if self.bad_count is not None else torch.zeros_like(ranks_with_bad)
+        self.bad_count = torch.where(ranks_with_bad > 0, torch.where(local > 0, local, -1.0), 0.0)
+
+    def _name_bad_count(self, mark: float) -> str:
+        """Where the first invalid device count came from, for the error."""
+        if mark < 0:
+            return "on another DDP rank"
+        k = int(mark) - 1
+        start, stop = self.ranges[k]
+        of = "indices" if self.indices is not None else "the mini-batch"
+        return f"at micro-batch {k} of {self.num_mb} (rows [{start}, {stop}) of {of})"
 
     def _nonfinite(self) -> torch.Tensor:
         """Device flag for non-finite gradients, from the cheapest source at hand."""

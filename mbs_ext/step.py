@@ -18,6 +18,7 @@ a few probes find to fit.
 from __future__ import annotations
 
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -214,7 +215,9 @@ class MicroBatchStreamer:
                     _annotate(exc, attempt, m)
                     raise
                 _annotate(exc, attempt, m)
-                # Drop the failed attempt's frames (and the tensors they hold) before probing.
+                # Drop the failed attempt's frames (and the tensors they hold) before probing;
+                # keep their text, for the error raised if no smaller size fits.
+                origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
                 exc.__traceback__ = None
                 del attempt
                 _backoff.release_cached_memory(device)
@@ -224,6 +227,12 @@ class MicroBatchStreamer:
                     m,
                 )
                 if smaller is None:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(
+                            "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
+                            "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
+                            + origin.rstrip()
+                        )
                     raise exc from None
                 del exc
                 warnings.warn(

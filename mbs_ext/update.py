@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,10 +57,13 @@ def probe(
     found: torch.Tensor,
     bad_count: torch.Tensor | None,
     max_grad_norm: float | None,
+    name_bad_count: Callable[[float], str] = lambda mark: "",
 ) -> tuple[Outcome, torch.Tensor | None]:
     """Read loss, total, flags and norm in one host sync; raise on a bad count or total.
 
-    Returns the outcome and the device norm (for clipping), None when not clipping.
+    ``bad_count`` is nonzero when a device count was invalid; ``name_bad_count`` turns its
+    value into where that was, for the error. Returns the outcome and the device norm
+    (for clipping), None when not clipping.
     """
     norm = None
     if max_grad_norm is not None:
@@ -73,7 +77,11 @@ def probe(
         values.append(norm.detach())
     read = _read(values, device)
     if read[3] != 0:
-        raise ValueError(f"{_norm.INVALID_COUNT_MESSAGE}; a count callable returned a value that is not")
+        where = name_bad_count(read[3])
+        raise ValueError(
+            f"{_norm.INVALID_COUNT_MESSAGE}; the normalize callable returned one that is not"
+            + (f" {where}" if where else "")
+        )
     _norm.check_total(read[1])
     outcome = Outcome(
         loss=read[0] / read[1], total=read[1], grads_bad=read[2] != 0,

@@ -217,6 +217,21 @@ def test_real_host_allocation_failure_backs_off():
     assert_models_match(model.net, ref.net, 1e-12)
 
 
+def test_back_off_that_finds_nothing_says_where_the_error_was_raised():
+    # Not even one row fits: the original error is raised, and although its frames were
+    # freed to give the probes memory, the note still says where it came from.
+    model = HugeAllocAbove(limit=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = (torch.randn(8, 32, dtype=torch.float64), torch.randint(0, 5, (8,)))
+    with pytest.raises(RuntimeError) as info:
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, ce, micro_batch_size=4)
+    assert mbs_ext.memory.is_out_of_memory(info.value)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "not even 1 row" in notes
+    assert "in forward" in notes and "torch.empty(2**62" in notes
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 class OOMInStep(torch.optim.SGD):
     def step(self, closure=None):
         raise torch.OutOfMemoryError("injected inside optimizer.step")

@@ -194,6 +194,24 @@ def test_bad_counts_raise_and_change_nothing(bad, device):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_bad_device_count_names_its_micro_batch(device):
+    # A tensor count is checked on its device and read once, at the end of the step; the
+    # error still names the first micro-batch whose count was bad, not the finish.
+    model, opt, _, _ = lm_models(device=device)
+    before = snapshot(model, opt)
+    seen = []
+
+    def count(b):
+        seen.append(len(seen))
+        bad = len(seen) in (3, 4)  # micro-batches 2 and 3 of 4
+        return torch.tensor(-2.0 if bad else float(token_count(b)), device=device)
+
+    with pytest.raises(ValueError, match=r"non-negative integer.*at micro-batch 2 of 4 \(rows \[6, 8\)"):
+        mbs_ext.step(model, opt, lm_batch(10), lm_loss, micro_batch_size=3, normalize=count)
+    assert len(seen) == 4
+    assert_bit_identical(snapshot(model, opt), before)
+
+
 def test_zero_total_count_is_an_error(device):
     model, opt, _, _ = lm_models(device=device)
     before = snapshot(model, opt)
