@@ -5,8 +5,13 @@ that size (a batch of exactly 3 micro-batches, so the split does not shrink them
 live bytes at the dispatcher (``mbs_ext.memory.PeakTracker``), on CUDA the caching
 allocator's ``max_memory_allocated`` above what was allocated before the step. Also the
 step's peak over a plain step of the same micro-batch (``zero_grad``; backward; ``step``
-with no streaming), which is what mbs_ext itself costs. Target: peak / budget in
-0.85-1.0, no out-of-memory back-off.
+with no streaming), split in two: a hand-written accumulation loop over the same
+micro-batches against the plain step (what accumulating costs by itself: from the second
+micro-batch on, autograd computes each parameter's gradient into a temporary and adds it
+into ``.grad``), and the step against that hand loop (what mbs_ext adds: its float32
+accumulation buffers for low-precision parameters, the snapshot of module buffers, staged
+inputs), with the first two components' sizes. Target: peak / budget in 0.85-1.0, no
+out-of-memory back-off, step / hand loop 1.0 where mbs_ext holds nothing of its own.
 
     python -m pytest bench/bench_planner.py -q -s     # CPU rows; CUDA rows where a GPU exists
 
@@ -54,11 +59,30 @@ class UNet(nn.Module):
         return self.out(torch.cat([a, self.mid(a)], 1)).mean((2, 3))
 
 
-MODELS = {"mlp": (mlp, (64,)), "cnn": (cnn, (3, 32, 32)), "unet": (UNet, (3, 32, 32))}
+def cnn_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(64, 10),
+    )
+
+
+def mlp_bf16() -> nn.Module:
+    return mlp().to(torch.bfloat16)
+
+
+MODELS = {
+    "mlp": (mlp, (64,)),
+    "cnn": (cnn, (3, 32, 32)),
+    "unet": (UNet, (3, 32, 32)),
+    "cnn_bn": (cnn_bn, (3, 32, 32)),
+    "mlp_bf16": (mlp_bf16, (64,)),
+}
 
 
 def ce(model: nn.Module, mb) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(mb[0]), mb[1])
+    x = mb[0].to(next(model.parameters()).dtype)
+    return nn.functional.cross_entropy(model(x).float(), mb[1])
 
 
 def data(shape, n: int, seed: int = 0):
@@ -100,10 +124,23 @@ def row(name: str, budget: int, device: torch.device) -> dict:
         ce(model, mb).backward()
         opt.step()
 
-    plain()  # the same state as the step's: gradients exist
+    def hand() -> None:  # the accumulation loop a user would write, over the step's micro-batches
+        opt.zero_grad(set_to_none=True)
+        for j in range(3):
+            (ce(model, [t[j * m : (j + 1) * m].to(device) for t in batch]) / 3).backward()
+        opt.step()
+
+    plain()  # the same state as the step's: optimizer state exists
     plain_peak = peak_of(plain, device)
+    hand_peak = peak_of(hand, device)
+    low = (torch.float16, torch.bfloat16)
+    buffers = sum(p.numel() * 4 for p in model.parameters() if p.dtype in low)
+    snapshot = sum(b.nbytes for b in model.buffers())
     return {"device": device.type, "model": name, "budget_MiB": budget / 2**20, "micro_batch": m,
             "peak/budget": round(step_peak / budget, 3), "step/plain_peak": round(step_peak / max(plain_peak, 1), 3),
+            "hand/plain_peak": round(hand_peak / max(plain_peak, 1), 3),
+            "step/hand_peak": round(step_peak / max(hand_peak, 1), 3),
+            "fp32_buffers_KiB": round(buffers / 1024, 1), "snapshot_KiB": round(snapshot / 1024, 1),
             "backoffs": backoffs}
 
 
