@@ -5,6 +5,9 @@ handed-out tensors, input validation, and (with a GPU) the CUDA copy path."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import mbs_ext
 from mbs_ext import StreamRing
 from mbs_ext._native import _C
 from mbs_ext.apps._process import os_threads
@@ -586,47 +590,69 @@ def test_cuda_copy_overlaps_kernel():
     it.close()
 
 
+_OOM_CHILD = """
+import sys
+import torch
+from mbs_ext import StreamRing
+
+mib = 1 << 20
+rows, row_bytes = 16, 64 * mib
+data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8)
+ring = StreamRing("cuda")
+torch.cuda.init()
+total = torch.cuda.get_device_properties(0).total_memory
+# A fresh process: nothing reserved, so every 64 MiB block needs new reserved memory.
+assert torch.cuda.memory_reserved() == 0, torch.cuda.memory_reserved()
+torch.cuda.set_per_process_memory_fraction(5.5 * row_bytes / total)
+handle = ring._ring.open([data], 1, None)
+kept = []
+try:
+    while True:
+        out = handle.next()
+        assert out is not None, "the cap never bit"
+        kept.append(out[0])
+        del out
+except torch.OutOfMemoryError:
+    pass
+assert 2 <= len(kept) < rows, len(kept)
+assert handle.index == len(kept) - 1, (handle.index, len(kept))
+try:
+    handle.next()
+    raise AssertionError("the stream went on after its failure")
+except RuntimeError as exc:
+    assert "ended with an error" in str(exc), str(exc)
+assert handle.closed
+torch.cuda.synchronize()
+for j, got in enumerate(kept):
+    assert torch.equal(got.cpu(), data[j : j + 1]), j
+n_kept = len(kept)
+del got
+kept.clear()
+torch.cuda.synchronize()
+assert torch.cuda.memory_allocated() == 0, torch.cuda.memory_allocated()
+torch.cuda.set_per_process_memory_fraction(1.0)
+assert torch.equal(torch.cat([mb.cpu() for mb in ring.stream(data[:5], 2)]), data[:5])
+print("kept", n_kept)
+"""
+
+
 @needs_cuda
-def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing():
-    # A real cap: the caller keeps every micro-batch, so the ring's device allocations
-    # fail part-way through the stream (in its optional reservation ahead, which is
-    # ignored, and then in a copy's own allocation, which is raised). Every micro-batch
-    # handed out before is exact and in order, the stream is over for good (the native
-    # handle raises again instead of skipping ahead), nothing the ring allocated stays
-    # allocated, and the ring streams again once memory is back.
-    mib = 1 << 20
-    rows, row_bytes = 16, 64 * mib
-    data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8)
-    ring = StreamRing("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 5.5 * row_bytes) / total)
-    kept = []
-    try:
-        handle = ring._ring.open([data], 1, None)
-        with pytest.raises(torch.OutOfMemoryError):
-            while True:
-                out = handle.next()
-                assert out is not None, "the cap never bit"
-                kept.append(out[0])
-        assert 2 <= len(kept) < rows
-        assert handle.index == len(kept) - 1
-        with pytest.raises(RuntimeError, match="ended with an error"):
-            handle.next()
-        assert handle.closed
-        torch.cuda.synchronize()
-        for j, got in enumerate(kept):
-            assert torch.equal(got.cpu(), data[j : j + 1]), j
-        del got, out
-        kept.clear()
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == base
-    finally:
-        kept.clear()
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    assert torch.equal(torch.cat([mb.cpu() for mb in ring.stream(data[:5], 2)]), data[:5])
+def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing(tmp_path):
+    # A real cap, in a child process of its own (nothing reserved before it, and a crash
+    # cannot take the suite down): the caller keeps every micro-batch, so the ring's device
+    # allocations fail part-way through the stream -- in its optional copy ahead and
+    # reservation (ignored: the micro-batch is copied on the next call) and then in a
+    # copy's own allocation (raised). Every micro-batch handed out before is exact and in
+    # order, the stream is over for good (the native handle raises again instead of
+    # skipping ahead), nothing the ring allocated stays allocated, and the ring streams
+    # again once memory is back.
+    script = tmp_path / "child.py"
+    script.write_text(_OOM_CHILD)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(mbs_ext.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "kept" in proc.stdout
 
 
 def test_dropped_buffers_recycled_kept_ones_untouched():

@@ -82,19 +82,23 @@ bool rows_are_dense(const at::Tensor& t) {
 }
 
 // One line on the exception in flight, for the error later next() calls raise.
-std::string describe_current_exception() {
-  std::string what;
+std::string describe_current_exception() noexcept {
   try {
-    throw;
-  } catch (const c10::Error& e) {
-    what = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
+    std::string what;
+    try {
+      throw;
+    } catch (const c10::Error& e) {
+      what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    const size_t cut = what.find('\n');
+    if (cut != std::string::npos) what.resize(cut);
+    return what.empty() ? std::string("unknown error") : what;
+  } catch (...) {  // out of memory for the message itself: a short literal needs no allocation
+    return std::string("unknown error");
   }
-  const size_t cut = what.find('\n');
-  if (cut != std::string::npos) what.resize(cut);
-  return what.empty() ? std::string("unknown error") : what;
 }
 
 // Tensors of our own over the caller's storage: staging reads sizes, strides and data
@@ -189,10 +193,14 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!superseded_,
               "StreamRing: this stream was closed because a new stream was started on the same ring");
-  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error at an earlier micro-batch: ", failed_);
+  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
   if (closed_) return std::nullopt;
   std::optional<native::RingCore::Ticket> ticket;
-  if (!pending_) {
+  if (pending_) {
+  } else if (held_) {
+    ticket = held_;
+    held_.reset();
+  } else {
     try {
       ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
     } catch (...) {
@@ -211,9 +219,8 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   try {
     auto take = [&](const native::RingCore::Ticket& t) {
       auto& staged = staged_[static_cast<size_t>(t.slot)];
-      std::vector<at::Tensor> host = std::move(staged);
+      DeviceBatch b = transfer_->enqueue(t.item, t.slot, staged);  // staged stays until the copy is enqueued
       staged.clear();
-      DeviceBatch b = transfer_->enqueue(t.item, t.slot, std::move(host));
       core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
       return b;
     };
@@ -224,13 +231,26 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
       batch = take(*ticket);
     }
     // Overlap: when the following micro-batch is staged already, start its copy now.
-    if (auto ahead = core_->try_acquire()) pending_ = take(*ahead);
+    // Optional, like the reservation: out of memory here leaves it staged, to be copied
+    // on the next call, and stops copying ahead for the rest of the stream (each such
+    // error costs the allocator a device-wide release of its cache).
+    if (copy_ahead_) {
+      if (auto ahead = core_->try_acquire()) {
+        try {
+          pending_ = take(*ahead);
+        } catch (const c10::OutOfMemoryError&) {
+          held_ = ahead;
+          copy_ahead_ = false;
+          reserve_ahead_ = false;
+        }
+      }
+    }
     transfer_->deliver(*batch);
     prepare_next(pending_ ? pending_->item + 1 : batch->item + 1);
   } catch (...) {
-    failed_ = describe_current_exception();
     if (batch) drop(*batch);
     close_locked();
+    failed_ = describe_current_exception();  // never throws
     throw;
   }
   {
@@ -255,10 +275,15 @@ std::pair<int64_t, int64_t> RingIterator::rows() const {
 void RingIterator::prepare_next(int64_t item) {
   if (item >= items_) return;
   const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  if (!reserve_ahead_) return;
   try {
     transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
-  } catch (const c10::OutOfMemoryError&) {
-    // The reservation is optional: enqueue allocates when the micro-batch's turn comes.
+  } catch (...) {
+    // The reservation is optional: enqueue allocates when the micro-batch's turn comes,
+    // and a device that really failed fails there. Reserving stops for the rest of the
+    // stream: under tight memory every attempt would cost the allocator's out-of-memory
+    // recovery (a device-wide release of its cache).
+    reserve_ahead_ = false;
   }
 }
 
@@ -267,8 +292,8 @@ void RingIterator::drop(DeviceBatch& batch) noexcept {
     transfer_->discard(batch);
   } catch (...) {
     // Not even the wait for its copy could be enqueued (a failing device). Keep the
-    // memory rather than free it under a copy that may still write it.
-    new std::vector<at::Tensor>(std::move(batch.tensors));  // NOLINT: deliberate leak
+    // memory rather than free it under a copy that may still write it (no allocation).
+    for (auto& t : batch.tensors) (void)t.unsafeReleaseTensorImpl();
   }
   batch.tensors.clear();
 }
@@ -283,6 +308,7 @@ void RingIterator::close_locked() {
     pending_.reset();
     drop(batch);
   }
+  held_.reset();
   transfer_->release_reserved();
   for (auto& s : staged_) s.clear();
 }

@@ -130,7 +130,10 @@ class RingIterator {
   bool closed_ = false;
   bool superseded_ = false;
   std::string failed_;  // why a consumer-side failure ended the stream
-  std::optional<DeviceBatch> pending_;
+  std::optional<DeviceBatch> pending_;              // the next micro-batch, its copy enqueued
+  std::optional<native::RingCore::Ticket> held_;    // the next micro-batch, acquired but not copied yet
+  bool copy_ahead_ = true;                          // off after an out-of-memory error copying ahead
+  bool reserve_ahead_ = true;                       // off after a failed reservation
   // Position of the last micro-batch handed out: its own lock, so that index()/rows()
   // never wait behind a next() that blocks for data.
   mutable std::mutex pos_mu_;

@@ -124,22 +124,28 @@ class CudaTransfer final : public DeviceTransfer {
       C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
     }
     batch.alloc_stream = current.unwrap();
+    cudaEvent_t copied = copied_[static_cast<size_t>(slot)];
     try {
-      c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
-      for (size_t k = 0; k < host.size(); ++k) batch.tensors[k].copy_(host[k], /*non_blocking=*/true);
+      {
+        c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+        for (size_t k = 0; k < host.size(); ++k) batch.tensors[k].copy_(host[k], /*non_blocking=*/true);
+      }
+      C10_CUDA_CHECK(cudaEventRecord(copied, copy_stream_.stream()));
     } catch (...) {
       // Copies enqueued before the failure may still write batch.tensors (freed to the
       // current stream as this unwinds) and read the slot's pinned memory (refilled
-      // once copied_ fires): mark where they end and order both behind it.
-      if (cudaEventRecord(copied_[static_cast<size_t>(slot)], copy_stream_.stream()) == cudaSuccess) {
+      // once copied_ fires): mark where they end and order both behind that mark, or
+      // wait for them here if not even that can be enqueued.
+      if (cudaEventRecord(copied, copy_stream_.stream()) == cudaSuccess &&
+          cudaStreamWaitEvent(current.stream(), copied, 0) == cudaSuccess) {
         recorded_[static_cast<size_t>(slot)] = 1;
-        (void)cudaStreamWaitEvent(current.stream(), copied_[static_cast<size_t>(slot)], 0);
       } else {
         (void)cudaStreamSynchronize(copy_stream_.stream());
+        recorded_[static_cast<size_t>(slot)] = 0;
       }
+      C10_CUDA_CLEAR_ERROR();  // the error in flight says what went wrong
       throw;
     }
-    C10_CUDA_CHECK(cudaEventRecord(copied_[static_cast<size_t>(slot)], copy_stream_.stream()));
     recorded_[static_cast<size_t>(slot)] = 1;
     return batch;
   }
@@ -163,6 +169,7 @@ class CudaTransfer final : public DeviceTransfer {
             cudaStreamWaitEvent(alloc.stream(), ready_, 0) != cudaSuccess) {
           (void)cudaStreamSynchronize(current.stream());
         }
+        C10_CUDA_CLEAR_ERROR();
         throw;
       }
       C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
