@@ -246,7 +246,7 @@ def oom_data() -> tuple:
 
 
 _CHILD = """
-import sys, warnings
+import gc, sys, warnings
 import torch
 import mbs_ext
 from test_step_cuda import OOM_CAP, mse, oom_data, oom_model
@@ -271,8 +271,15 @@ for k in range(2):
     if k == 0:
         params = {n: p.detach().cpu() for n, p in model.named_parameters()}
         grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
-torch.save({"params": params, "grads": grads, "steps": steps,
-            "peak_reserved": torch.cuda.max_memory_reserved()}, out)
+peak_reserved = torch.cuda.max_memory_reserved()
+# Nothing outlives the model: not the failed attempts, not the back-off's probes, not the ring.
+del model, opt, res
+gc.collect()
+clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+if clear is not None:
+    clear()
+torch.save({"params": params, "grads": grads, "steps": steps, "peak_reserved": peak_reserved,
+            "left_allocated": torch.cuda.memory_allocated()}, out)
 """
 
 
@@ -314,6 +321,7 @@ def test_out_of_memory_back_off_under_a_real_cap_stays_exact(mode, tmp_path):
         assert not first["oom_warnings"], f"the plan for an eighth of the cap did not fit: {first}"
     assert not second["oom_warnings"] and second["micro_batch_size"] == size  # remembered
     assert got["peak_reserved"] <= OOM_CAP
+    assert got["left_allocated"] == 0  # out-of-memory back-off leaves no memory behind
 
 
 def test_auto_on_cuda_without_a_budget_is_exact():
