@@ -124,10 +124,14 @@ def row(name: str, budget: int, device: torch.device) -> dict:
         ce(model, mb).backward()
         opt.step()
 
-    def hand() -> None:  # the accumulation loop a user would write, over the step's micro-batches
+    # The accumulation loop a user would write, over the step's micro-batches (on the
+    # device beforehand, like the plain step's one, so both count inputs alike).
+    mbs = [[t[j * m : (j + 1) * m].to(device) for t in batch] for j in range(3)]
+
+    def hand() -> None:
         opt.zero_grad(set_to_none=True)
-        for j in range(3):
-            (ce(model, [t[j * m : (j + 1) * m].to(device) for t in batch]) / 3).backward()
+        for mb_j in mbs:
+            (ce(model, mb_j) / 3).backward()
         opt.step()
 
     plain()  # the same state as the step's: optimizer state exists

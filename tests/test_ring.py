@@ -637,6 +637,7 @@ print("kept", n_kept)
 
 
 @needs_cuda
+@cpp_errors_reach_python
 def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing(tmp_path):
     # A real cap, in a child process of its own (nothing reserved before it, and a crash
     # cannot take the suite down): the caller keeps every micro-batch, so the ring's device

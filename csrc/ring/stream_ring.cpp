@@ -220,8 +220,13 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
     auto take = [&](const native::RingCore::Ticket& t) {
       auto& staged = staged_[static_cast<size_t>(t.slot)];
       DeviceBatch b = transfer_->enqueue(t.item, t.slot, staged);  // staged stays until the copy is enqueued
-      staged.clear();
-      core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
+      staged.clear();  // before release: from then on the worker may refill the slot
+      try {
+        core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
+      } catch (...) {
+        drop(b);  // its copy is enqueued: free its memory only behind it
+        throw;
+      }
       return b;
     };
     if (pending_) {
@@ -278,11 +283,10 @@ void RingIterator::prepare_next(int64_t item) {
   if (!reserve_ahead_) return;
   try {
     transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
-  } catch (...) {
-    // The reservation is optional: enqueue allocates when the micro-batch's turn comes,
-    // and a device that really failed fails there. Reserving stops for the rest of the
-    // stream: under tight memory every attempt would cost the allocator's out-of-memory
-    // recovery (a device-wide release of its cache).
+  } catch (const c10::OutOfMemoryError&) {
+    // The reservation is optional: enqueue allocates when the micro-batch's turn comes.
+    // Reserving stops for the rest of the stream: under tight memory every attempt would
+    // cost the allocator's out-of-memory recovery (a device-wide release of its cache).
     reserve_ahead_ = false;
   }
 }
