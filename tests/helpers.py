@@ -198,3 +198,17 @@ def lm_loss(model, batch):
 
 def token_count(batch):
     return (batch["labels"] != -100).sum()
+
+
+class PoisonGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``value`` (inf or NaN): a
+    finite loss whose gradient is not, an injected fault. ``PoisonGrad.apply(x, value)``."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        ctx.value = value
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.value, None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     DEVICE_PARAMS,
+    PoisonGrad,
     TinyLM,
     assert_bit_identical,
     assert_models_match,
@@ -407,18 +408,6 @@ def test_grad_scaler_injected_inf_skips_and_backs_off_once(device):
     assert_bit_identical(snapshot(model, opt), before)
 
 
-class InfGrad(torch.autograd.Function):
-    """Identity forward, infinite backward: a finite loss whose gradient overflows."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("inf")
-
-
 def test_grad_scaler_overflow_in_gradient_only_is_silent(device):
     model, opt, _, _ = twins(mlp(torch.float32), device=device)
     scaler = scaler_for(device, init_scale=2.0**10)
@@ -426,7 +415,7 @@ def test_grad_scaler_overflow_in_gradient_only_is_silent(device):
 
     def loss_fn(model, batch):
         x, y = batch
-        return F.mse_loss(InfGrad.apply(model(x)), y)
+        return F.mse_loss(PoisonGrad.apply(model(x), float("inf")), y)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

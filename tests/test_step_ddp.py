@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import DEVICE_PARAMS, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
+from helpers import DEVICE_PARAMS, PoisonGrad, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
 from torch import nn
 
 import mbs_ext
@@ -76,18 +76,6 @@ def _n(data):
     return len(data["ids"]) if isinstance(data, dict) else len(data[0])
 
 
-class _NanGrad(torch.autograd.Function):
-    """Identity forward; NaN gradient backward (a fault on one rank only)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan")
-
-
 # name: (fault on rank 0, accumulate_dtype). Every rank must take the same decision.
 AGREEMENT = {
     "nonfinite_grads": ("nan", None),
@@ -108,7 +96,7 @@ def _agreement(rank, device, out_dir):
         def loss_fn(m, b, fault=fault):
             out = m(b[0])
             if fault == "nan" and rank == 0:
-                out = _NanGrad.apply(out)
+                out = PoisonGrad.apply(out, float("nan"))  # a fault on one rank only
             return F.mse_loss(out, b[1])
 
         def count(b, fault=fault):
