@@ -195,12 +195,11 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
               "StreamRing: this stream was closed because a new stream was started on the same ring");
   TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
   if (closed_) return std::nullopt;
-  std::optional<native::RingCore::Ticket> ticket;
-  if (pending_) {
-  } else if (held_) {
+  std::optional<native::RingCore::Ticket> ticket;  // stays empty when a copy is pending
+  if (!pending_ && held_) {
     ticket = held_;
     held_.reset();
-  } else {
+  } else if (!pending_) {
     try {
       ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
     } catch (...) {
@@ -278,9 +277,8 @@ std::pair<int64_t, int64_t> RingIterator::rows() const {
 }
 
 void RingIterator::prepare_next(int64_t item) {
-  if (item >= items_) return;
+  if (!reserve_ahead_ || item >= items_) return;
   const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
-  if (!reserve_ahead_) return;
   try {
     transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
   } catch (const c10::OutOfMemoryError&) {

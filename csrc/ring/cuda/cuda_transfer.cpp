@@ -19,6 +19,17 @@ namespace mbs {
 
 namespace {
 
+// Error paths: orders `waiter` behind the work enqueued on `source` so far (through
+// `ev`), or, when not even that can be enqueued, waits for `source` here. Never throws
+// and leaves no CUDA error set: the exception in flight says what went wrong. Returns
+// whether `ev` now marks that point.
+bool order_behind_or_sync(cudaEvent_t ev, cudaStream_t source, cudaStream_t waiter) noexcept {
+  const bool marked = cudaEventRecord(ev, source) == cudaSuccess && cudaStreamWaitEvent(waiter, ev, 0) == cudaSuccess;
+  if (!marked) (void)cudaStreamSynchronize(source);
+  C10_CUDA_CLEAR_ERROR();
+  return marked;
+}
+
 class CudaTransfer final : public DeviceTransfer {
  public:
   CudaTransfer(c10::Device device, int slots)
@@ -136,14 +147,7 @@ class CudaTransfer final : public DeviceTransfer {
       // current stream as this unwinds) and read the slot's pinned memory (refilled
       // once copied_ fires): mark where they end and order both behind that mark, or
       // wait for them here if not even that can be enqueued.
-      if (cudaEventRecord(copied, copy_stream_.stream()) == cudaSuccess &&
-          cudaStreamWaitEvent(current.stream(), copied, 0) == cudaSuccess) {
-        recorded_[static_cast<size_t>(slot)] = 1;
-      } else {
-        (void)cudaStreamSynchronize(copy_stream_.stream());
-        recorded_[static_cast<size_t>(slot)] = 0;
-      }
-      C10_CUDA_CLEAR_ERROR();  // the error in flight says what went wrong
+      recorded_[static_cast<size_t>(slot)] = order_behind_or_sync(copied, copy_stream_.stream(), current.stream());
       throw;
     }
     recorded_[static_cast<size_t>(slot)] = 1;
@@ -165,11 +169,7 @@ class CudaTransfer final : public DeviceTransfer {
         for (const auto& t : batch.tensors) own.push_back(t.clone());
       } catch (...) {
         // Clones enqueued so far read the originals: they go back to their stream after them.
-        if (cudaEventRecord(ready_, current.stream()) != cudaSuccess ||
-            cudaStreamWaitEvent(alloc.stream(), ready_, 0) != cudaSuccess) {
-          (void)cudaStreamSynchronize(current.stream());
-        }
-        C10_CUDA_CLEAR_ERROR();
+        (void)order_behind_or_sync(ready_, current.stream(), alloc.stream());
         throw;
       }
       C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
