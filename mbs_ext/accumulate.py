@@ -19,6 +19,22 @@ from torch import nn
 from mbs_ext.ops import _OP, _as_scale, scale_accumulate_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Each parameter's view into a flat buffer starts on this boundary. Gradients are
+# separate allocations (aligned far beyond it), so accumulator and gradient then
+# agree modulo 16 bytes and both kernels take their 16-byte vector path over the
+# whole parameter; one odd-sized parameter would otherwise shift every view after it
+# off that path.
+VIEW_ALIGN_BYTES = 16
+
+
+def buffer_layout(numels: list[int], element_size: int) -> tuple[list[int], int]:
+    """Offsets (in elements) of views of ``numels`` elements in a flat buffer, and its length."""
+    step = max(1, VIEW_ALIGN_BYTES // element_size)
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(end)
+        end += -(-n // step) * step
+    return offsets, end
 
 
 def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
@@ -29,7 +45,11 @@ def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]
 
 
 class GradBuffers:
-    """Flat accumulation buffers (one per device) with a view per parameter."""
+    """Flat accumulation buffers (one per device) with a view per parameter.
+
+    Views start on 16-byte boundaries (:func:`buffer_layout`); the padding between them
+    is never written and stays zero through every rescale and all-reduce.
+    """
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
         self.params = params
@@ -44,12 +64,10 @@ class GradBuffers:
         self.groups = list(groups.values())
         for js in self.groups:
             dev = params[js[0]].device
-            flat = torch.zeros(sum(params[j].numel() for j in js), dtype=dtype, device=dev)
-            offset = 0
-            for j in js:
-                n = params[j].numel()
-                self.views[j] = flat.narrow(0, offset, n).view_as(params[j])
-                offset += n
+            offsets, length = buffer_layout([params[j].numel() for j in js], dtype.itemsize)
+            flat = torch.zeros(length, dtype=dtype, device=dev)
+            for j, offset in zip(js, offsets):
+                self.views[j] = flat.narrow(0, offset, params[j].numel()).view_as(params[j])
             self.flats.append(flat)
             self.found_inf.append(torch.zeros((), dtype=torch.float32, device=dev))
 

@@ -347,9 +347,9 @@ def _gradient_bytes(model: nn.Module, accumulate_dtype: torch.dtype | None) -> t
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     acc_bytes = 0
-    if accumulate_dtype is not None:  # separate buffers, one per trainable parameter
-        acc_size = torch.empty((), dtype=accumulate_dtype).element_size()
-        acc_bytes = sum(p.numel() * acc_size for p in trainable)
+    if accumulate_dtype is not None:  # one flat buffer with a view per trainable parameter
+        _, length = _acc.buffer_layout([p.numel() for p in trainable], accumulate_dtype.itemsize)
+        acc_bytes = length * accumulate_dtype.itemsize
     return grad_bytes, acc_bytes
 
 

@@ -331,8 +331,8 @@ def test_misaligned_views_and_chunk_edges(device, acc_dtype, grad_dtype):
 
 
 def test_many_launches(device):
-    """More tensors than one launch's metadata holds, and a tensor with more chunks than one
-    launch's block map, mixed with tiny ones: every element updated exactly once."""
+    """More tensors than one launch's metadata holds (156 on CUDA), with a large tensor among
+    tiny ones near a launch boundary: every element updated exactly once."""
     gen = torch.Generator().manual_seed(4)
     sizes = [int(torch.randint(1, 300, (), generator=gen)) for _ in range(250)]
     sizes.insert(100, 384 * 65536 + 4099)  # spills over a launch boundary
@@ -345,6 +345,56 @@ def test_many_launches(device):
     for out, ref in zip(accs, expected):
         assert_matches(out, ref)
     assert found_inf.item() == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < 40 * 2**30,
+                    reason="needs a CUDA device with 40 GiB free")
+def test_cuda_tensor_longer_than_one_piece():
+    """The CUDA plan cuts a tensor of 2^31 elements or more into pieces with 32-bit counts:
+    elements on both sides of the cut, and the last ones, are updated exactly once."""
+    n = 2**31 + 4099
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    acc = torch.randn(n, generator=gen, device="cuda")
+    grad = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    before = acc.clone()
+    grad[-2] = math.inf
+    found_inf = mbs_ext.scale_accumulate_([acc], [grad], 0.5)
+    assert found_inf.item() == 1.0
+    step = 2**27
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        expected = reference(before[lo:hi], grad[lo:hi], 0.5)
+        assert_matches(acc[lo:hi], expected)
+
+
+def test_accumulation_buffer_views_are_16_byte_aligned(device):
+    """Odd-sized parameters do not push later views off the 16-byte vector path; the padding
+    between views stays zero; the planner counts the padded buffer."""
+    from mbs_ext import accumulate, memory
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
+    model = model.to(device, torch.bfloat16)
+    params = list(model.parameters())
+    bufs = accumulate.GradBuffers(params, torch.float32)
+    assert all(v.data_ptr() % 16 == 0 for v in bufs.views)
+    gen = torch.Generator().manual_seed(5)
+    expected = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    for scale in (0.5, -1.25):
+        for p, e in zip(params, expected):
+            p.grad = torch.randn(p.shape, generator=gen).to(device, torch.bfloat16)
+            e += scale * p.grad.double().cpu()
+        bufs.add_(scale)
+    for v, e in zip(bufs.views, expected):
+        torch.testing.assert_close(v.double().cpu(), e, rtol=1e-6, atol=1e-6)
+    flat = bufs.flats[0]
+    written = torch.zeros(flat.numel(), dtype=torch.bool, device=device)
+    for v in bufs.views:
+        offset = (v.data_ptr() - flat.data_ptr()) // flat.element_size()
+        written[offset : offset + v.numel()] = True
+    assert flat.numel() > sum(p.numel() for p in params)  # there is padding to check
+    assert torch.count_nonzero(flat[~written]) == 0
+    assert memory._gradient_bytes(model, torch.float32)[1] == flat.numel() * flat.element_size()
 
 
 @pytest.mark.cuda

@@ -2,15 +2,8 @@
 // tensors per launch (multi_tensor.cuh), one launch set per (accumulator dtype, grad
 // dtype) pair present. Metadata travels as kernel arguments, scale and found_inf stay
 // on the device: no host synchronization, no host staging memory, capturable in a
-// CUDA graph. Runs on the current stream.
-//
-// Memory access: each thread moves up to 16 elements per loop step as independent
-// 16-byte vector loads of both operands (4 fp32, 8 bf16/fp16 or 2 fp64 lanes per 16 bytes;
-// the narrower dtype sets the lane count, the wider one takes several 16-byte loads),
-// issued before any arithmetic so that they are all in flight together. The vector
-// path runs from the first element at which both tensors are 16-byte aligned; the
-// elements before it, the tail after the last whole vector, and tensors whose two
-// pointers can never be aligned together take a scalar path with the same ILP.
+// CUDA graph. Runs on the current stream. The per-thread work is
+// native/scale_accumulate_block.h, shared with its host emulation test.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,198 +13,39 @@
 
 #include <array>
 #include <string>
-#include <type_traits>
 #include <vector>
 
+#include "native/scale_accumulate_block.h"
 #include "ops/cuda/multi_tensor.cuh"
 #include "ops/scale_accumulate.h"
+
+namespace mbs::native {
+
+// The device's 16-bit floats compute in float: widened exactly, narrowed with
+// round-to-nearest-even.
+template <> struct Convert<__nv_bfloat16, float> {
+  MBS_HOST_DEVICE static float to(__nv_bfloat16 v) { return __bfloat162float(v); }
+  MBS_HOST_DEVICE static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+};
+template <> struct Convert<__half, float> {
+  MBS_HOST_DEVICE static float to(__half v) { return __half2float(v); }
+  MBS_HOST_DEVICE static __half from(float v) { return __float2half_rn(v); }
+};
+// Grads into a float64 accumulator (never the other way: a 16-bit accumulator
+// computes in float).
+template <> struct Convert<__nv_bfloat16, double> {
+  MBS_HOST_DEVICE static double to(__nv_bfloat16 v) { return static_cast<double>(__bfloat162float(v)); }
+};
+template <> struct Convert<__half, double> {
+  MBS_HOST_DEVICE static double to(__half v) { return static_cast<double>(__half2float(v)); }
+};
+
+}  // namespace mbs::native
 
 namespace mbs {
 namespace {
 
 using cuda::PairListMeta;
-
-template <typename T, typename C> __device__ __forceinline__ C to_compute(T v) { return static_cast<C>(v); }
-template <> __device__ __forceinline__ float to_compute<__nv_bfloat16, float>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_compute<__half, float>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ double to_compute<__nv_bfloat16, double>(__nv_bfloat16 v) {
-  return static_cast<double>(__bfloat162float(v));
-}
-template <> __device__ __forceinline__ double to_compute<__half, double>(__half v) {
-  return static_cast<double>(__half2float(v));
-}
-
-template <typename T, typename C> __device__ __forceinline__ T from_compute(C v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_compute<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half from_compute<__half, float>(float v) { return __float2half_rn(v); }
-
-// inf or NaN: an all-ones exponent (a bit test, immune to any math-flag folding).
-__device__ __forceinline__ bool non_finite(float v) {
-  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
-}
-__device__ __forceinline__ bool non_finite(double v) {
-  return (static_cast<unsigned long long>(__double_as_longlong(v)) & 0x7ff0000000000000ull) ==
-         0x7ff0000000000000ull;
-}
-
-__device__ __forceinline__ float fused_multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-__device__ __forceinline__ double fused_multiply_add(double a, double b, double c) { return __fma_rn(a, b, c); }
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// L elements of T, a whole number of 16-byte words, loaded and stored as such.
-template <typename T, int L> struct alignas(16) Vec {
-  static_assert((sizeof(T) * L) % 16 == 0, "a vector must be whole 16-byte words");
-  T v[L];
-};
-
-template <typename A, typename G> struct ScaleAccumulateOp {
-  // float64 math only for float64 accumulators, as on the CPU.
-  using C = std::conditional_t<std::is_same_v<A, double>, double, float>;
-
-  static constexpr int kThreads = 512;
-  static constexpr int kLanes = 16 / static_cast<int>(sizeof(A) < sizeof(G) ? sizeof(A) : sizeof(G));
-  // Vectors per thread per loop step, all loaded before any is used: 4 x 16 bytes
-  // of the narrower operand (16 elements; 8 for fp64/fp64), as many of the wider.
-  static constexpr int kVecsPerThread = kLanes >= 4 ? 16 / kLanes : 4;
-  static constexpr int kScalarsPerThread = 8;  // same idea on the scalar path
-  static constexpr int64_t kChunk = 65536;     // elements per block
-  static_assert(kVecsPerThread >= 1, "at least one vector per thread");
-  static_assert(kChunk % kLanes == 0, "chunks must start on a vector boundary");
-  static_assert(16 % sizeof(A) == 0 && 16 % sizeof(G) == 0, "element sizes must divide 16");
-
-  const void* scale_ptr;  // device scale (float or double), or null: use scale_value
-  C scale_value;
-  float* found_inf;
-  bool scale_is_double;
-
-  __device__ __forceinline__ C load_scale() const {
-    if (scale_ptr == nullptr) return scale_value;
-    return scale_is_double ? static_cast<C>(*static_cast<const double*>(scale_ptr))
-                           : static_cast<C>(*static_cast<const float*>(scale_ptr));
-  }
-
-  // acc <- acc + s * g in C; flags a non-finite g (checked after conversion to C,
-  // like the CPU kernel, so a float64 grad too large for float32 counts as inf).
-  __device__ __forceinline__ static A update(A a, G g, C s, bool& bad) {
-    const C gc = to_compute<G, C>(g);
-    bad |= non_finite(gc);
-    return from_compute<A, C>(fused_multiply_add(s, gc, to_compute<A, C>(a)));
-  }
-
-  // Smallest h in [0, kLanes) such that acc + h and grad + h are both 16-byte
-  // aligned, or -1 when no such h exists (the offsets disagree modulo 16 bytes).
-  __device__ __forceinline__ static int vector_head(const A* acc, const G* grad) {
-    const auto a = reinterpret_cast<uintptr_t>(acc);
-    const auto g = reinterpret_cast<uintptr_t>(grad);
-    if (a % sizeof(A) != 0 || g % sizeof(G) != 0) return -1;  // the host rejects this; stay safe anyway
-    constexpr int ma = 16 / static_cast<int>(sizeof(A));      // alignment period of acc, in elements
-    constexpr int mg = 16 / static_cast<int>(sizeof(G));
-    const int ha = static_cast<int>((16 - a % 16) % 16 / sizeof(A));  // in [0, ma)
-    const int hg = static_cast<int>((16 - g % 16) % 16 / sizeof(G));  // in [0, mg)
-    // ma and mg are powers of two; the longer period (= kLanes) decides, the
-    // shorter one must agree with it.
-    if (ma >= mg) return (ha % mg == hg) ? ha : -1;
-    return (hg % ma == ha) ? hg : -1;
-  }
-
-  // Elements [0, n) of acc/grad one at a time, kScalarsPerThread independent
-  // loads of each operand per thread per step. n <= kChunk, so offsets fit an int.
-  __device__ __forceinline__ static void scalar_range(A* __restrict__ acc, const G* __restrict__ grad, int n, C s,
-                                                      bool& bad) {
-    for (int base = 0; base < n; base += kThreads * kScalarsPerThread) {
-      A a[kScalarsPerThread];
-      G g[kScalarsPerThread];
-#pragma unroll
-      for (int k = 0; k < kScalarsPerThread; ++k) {
-        const int i = base + static_cast<int>(threadIdx.x) + k * kThreads;
-        if (i < n) {
-          a[k] = acc[i];
-          g[k] = grad[i];
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kScalarsPerThread; ++k) {
-        const int i = base + static_cast<int>(threadIdx.x) + k * kThreads;
-        if (i < n) acc[i] = update(a[k], g[k], s, bad);
-      }
-    }
-  }
-
-  // The few (< kLanes) elements [0, n) before or after the vectors.
-  __device__ __forceinline__ static void scalar_few(A* acc, const G* grad, int n, C s, bool& bad) {
-    const int i = static_cast<int>(threadIdx.x);
-    if (i < n) acc[i] = update(acc[i], grad[i], s, bad);
-  }
-
-  // n_vec vectors of kLanes elements from acc/grad, both 16-byte aligned;
-  // n_vec <= kChunk / kLanes.
-  __device__ __forceinline__ static void vector_range(A* __restrict__ acc, const G* __restrict__ grad, int n_vec, C s,
-                                                      bool& bad) {
-    using VA = Vec<A, kLanes>;
-    using VG = Vec<G, kLanes>;
-    VA* __restrict__ av = reinterpret_cast<VA*>(acc);
-    const VG* __restrict__ gv = reinterpret_cast<const VG*>(grad);
-    for (int base = 0; base < n_vec; base += kThreads * kVecsPerThread) {
-      VA a[kVecsPerThread];
-      VG g[kVecsPerThread];
-#pragma unroll
-      for (int k = 0; k < kVecsPerThread; ++k) {
-        const int v = base + static_cast<int>(threadIdx.x) + k * kThreads;
-        if (v < n_vec) {
-          a[k] = av[v];
-          g[k] = gv[v];
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kVecsPerThread; ++k) {
-        const int v = base + static_cast<int>(threadIdx.x) + k * kThreads;
-        if (v < n_vec) {
-#pragma unroll
-          for (int l = 0; l < kLanes; ++l) a[k].v[l] = update(a[k].v[l], g[k].v[l], s, bad);
-          av[v] = a[k];
-        }
-      }
-    }
-  }
-
-  // One chunk of one tensor. Every thread of the block runs this to the end (the
-  // found_inf reduction below is a block-wide barrier).
-  template <typename Meta>
-  __device__ __forceinline__ void operator()(const Meta& meta, int slot, int64_t chunk) const {
-    A* acc = static_cast<A*>(meta.addresses[0][slot]);
-    const G* grad = static_cast<const G*>(meta.addresses[1][slot]);
-    const int64_t n = meta.numel[slot];
-    const int64_t begin = chunk * kChunk;          // < n by construction
-    const int64_t end = min64(begin + kChunk, n);
-    const bool last_chunk = begin + kChunk >= n;
-    const C s = load_scale();
-    bool bad = false;
-
-    const int head = vector_head(acc, grad);
-    if (head < 0) {
-      scalar_range(acc + begin, grad + begin, static_cast<int>(end - begin), s, bad);
-    } else {
-      // Vectors start at h, h + kLanes, ...; chunk c owns the vectors that start in
-      // [c * kChunk + h, (c + 1) * kChunk + h). Chunk 0 also does the head [0, h),
-      // the last chunk the tail [vec_end, n). Each element is written exactly once.
-      const int64_t h = min64(head, n);
-      const int64_t vec_end = h + (n - h) / kLanes * kLanes;
-      const int64_t v_lo = begin + h;
-      const int64_t v_hi = min64(begin + kChunk + h, vec_end);
-      if (chunk == 0) scalar_few(acc, grad, static_cast<int>(h), s, bad);
-      if (v_lo < v_hi) vector_range(acc + v_lo, grad + v_lo, static_cast<int>((v_hi - v_lo) / kLanes), s, bad);
-      if (last_chunk) scalar_few(acc + vec_end, grad + vec_end, static_cast<int>(n - vec_end), s, bad);
-    }
-    // Any thread that saw inf/NaN: one store of 1.0 per block (all writers store
-    // the same value, so concurrent blocks do not race in any harmful way).
-    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
-  }
-};
 
 template <typename T> struct CudaType { using type = T; };
 template <> struct CudaType<at::BFloat16> { using type = __nv_bfloat16; };
@@ -226,7 +60,9 @@ struct ScaleArg {
 template <typename A, typename G>
 void launch_group(const DensePairs& dense, const std::vector<size_t>& members, const ScaleArg& scale,
                   float* found_inf, cudaStream_t stream) {
-  using Op = ScaleAccumulateOp<typename CudaType<A>::type, typename CudaType<G>::type>;
+  using DA = typename CudaType<A>::type;
+  using DG = typename CudaType<G>::type;
+  using Op = native::ScaleAccumulateBlock<DA, DG>;
   std::vector<std::array<void*, 2>> addresses;
   std::vector<int64_t> numels;
   addresses.reserve(members.size());
@@ -240,7 +76,7 @@ void launch_group(const DensePairs& dense, const std::vector<size_t>& members, c
   op.scale_value = static_cast<typename Op::C>(scale.value);
   op.found_inf = found_inf;
   op.scale_is_double = scale.is_double;
-  cuda::multi_tensor_apply<PairListMeta>(addresses, numels, op, stream);
+  cuda::multi_tensor_apply<PairListMeta>(addresses, numels, {int64_t{sizeof(DA)}, int64_t{sizeof(DG)}}, op, stream);
 }
 
 template <typename A>
