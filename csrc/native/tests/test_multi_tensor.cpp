@@ -53,10 +53,13 @@ using namespace mbs::native;
 
 namespace {
 
-using Meta = TensorListMeta<2, 156>;  // the device's PairListMeta
+// The device's PairListMeta: 4 KB of kernel arguments (CUDA < 13), and 32 KB.
+using SmallMeta = TensorListMeta<2, 156>;
+using LargeMeta = TensorListMeta<2, 1344>;
+static_assert(sizeof(SmallMeta) + 64 <= 4096 && sizeof(LargeMeta) + 64 <= 32764, "metadata over the argument limit");
 
 // What the kernel does for one launch, one block and one thread at a time.
-template <typename Op>
+template <typename Meta, typename Op>
 void emulate_launch(const Meta& meta, uint32_t blocks, const Op& op) {
   MBS_CHECK(meta.slots >= 1 && meta.slots <= Meta::kMaxSlots);
   MBS_CHECK(blocks == meta.chunk_end[meta.slots - 1]);
@@ -159,7 +162,7 @@ struct Case {
 // Runs `c` through the emulated kernel and checks every element against the
 // reference, the flag, the guard bytes and that grads are left alone. Returns the
 // number of launches.
-template <typename A, typename G> int run_case(const Case& c, std::mt19937_64& rng) {
+template <typename A, typename G, typename Meta = SmallMeta> int run_case(const Case& c, std::mt19937_64& rng) {
   using Op = ScaleAccumulateBlock<A, G>;
   const size_t count = c.numels.size();
   std::vector<Buffer<A>> accs;
@@ -278,16 +281,16 @@ void test_all_pairs(std::mt19937_64& rng) {
 
 // More tensors than one launch holds: the list continues in further launches, and
 // empty tensors take no slot.
-void test_many_tensors(std::mt19937_64& rng) {
+template <typename Meta> void test_many_tensors(std::mt19937_64& rng, int count) {
   Case c;
-  for (int i = 0; i < 500; ++i) {
+  for (int i = 0; i < count; ++i) {
     c.numels.push_back(i % 7 == 3 ? 0 : 16 + (i * 97) % 300);
     c.acc_offsets.push_back(0);
     c.grad_offsets.push_back(static_cast<size_t>(i % 3));
   }
   const int64_t empty = std::count(c.numels.begin(), c.numels.end(), int64_t{0});
   const int64_t slots = static_cast<int64_t>(c.numels.size()) - empty;
-  const int launches = run_case<float, Bf16>(c, rng);
+  const int launches = run_case<float, Bf16, Meta>(c, rng);
   MBS_CHECK(launches == (slots + Meta::kMaxSlots - 1) / Meta::kMaxSlots);
 }
 
@@ -306,7 +309,7 @@ void test_pieces(std::mt19937_64& rng) {
 }
 
 // The binary search agrees with a linear scan for every block of random plans.
-void test_slot_of(std::mt19937_64& rng) {
+template <typename Meta> void test_slot_of(std::mt19937_64& rng) {
   for (int round = 0; round < 200; ++round) {
     Meta meta{};
     meta.slots = 1 + static_cast<int>(rng() % Meta::kMaxSlots);
@@ -328,11 +331,11 @@ void test_slot_of(std::mt19937_64& rng) {
 // The plan refuses what it cannot cover instead of launching it.
 void test_plan_rejects_bad_input() {
   float x = 0.0f;
-  const auto noop = [](const Meta&, uint32_t) { MBS_CHECK(false); };
+  const auto noop = [](const SmallMeta&, uint32_t) { MBS_CHECK(false); };
   const auto throws = [&](const std::vector<std::array<void*, 2>>& a, const std::vector<int64_t>& n,
                           std::array<int64_t, 2> bytes, int64_t chunk, int64_t piece) {
     try {
-      for_each_launch<Meta>(a, n, bytes, chunk, noop, piece);
+      for_each_launch<SmallMeta>(a, n, bytes, chunk, noop, piece);
     } catch (const std::invalid_argument&) {
       return true;
     }
@@ -347,7 +350,7 @@ void test_plan_rejects_bad_input() {
   MBS_CHECK(throws(one, {1}, {3, 4}, 4096, kMaxPieceElements));        // element size
   MBS_CHECK(throws(one, {1}, {4, 4}, 1, kMaxPieceElements));           // grid over 2^31 blocks
   int calls = 0;
-  for_each_launch<Meta>(one, {0}, {4, 4}, 4096, [&](const Meta&, uint32_t) { ++calls; });
+  for_each_launch<SmallMeta>(one, {0}, {4, 4}, 4096, [&](const SmallMeta&, uint32_t) { ++calls; });
   MBS_CHECK(calls == 0);  // nothing to do: no launch
 }
 
@@ -355,10 +358,12 @@ void test_plan_rejects_bad_input() {
 
 int main() {
   std::mt19937_64 rng(20261123);
-  test_slot_of(rng);
+  test_slot_of<SmallMeta>(rng);
+  test_slot_of<LargeMeta>(rng);
   test_plan_rejects_bad_input();
   test_all_pairs(rng);
-  test_many_tensors(rng);
+  test_many_tensors<SmallMeta>(rng, 500);
+  test_many_tensors<LargeMeta>(rng, 3000);
   test_pieces(rng);
   std::puts("test_multi_tensor: ok");
   return 0;

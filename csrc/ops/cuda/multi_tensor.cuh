@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -15,8 +16,18 @@
 
 namespace mbs::cuda {
 
-// Two pointers per piece (read-write, read): 24 bytes each, 156 pieces per launch.
+// Kernel arguments may total 32,764 bytes on CUDA >= 12.1 with an R530+ driver and a
+// Volta or newer GPU, 4,096 bytes otherwise. CUDA 13 runs only where all three hold
+// (R580+, Turing+), so builds with it take the large limit at compile time, as
+// torch's own foreach kernels do; older toolkits keep the small one.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+constexpr size_t kKernelArgBytes = 32764;
+// Two pointers per piece (read-write, read), 24 bytes each: 1,344 pieces per launch.
+using PairListMeta = native::TensorListMeta<2, 1344>;
+#else
+constexpr size_t kKernelArgBytes = 4096;
 using PairListMeta = native::TensorListMeta<2, 156>;
+#endif
 
 // Block b works on one chunk of one piece; every thread calls op once (the op loads,
 // computes and stores its own elements only) and the block ORs the flags the threads
@@ -38,8 +49,7 @@ template <typename Meta, typename Op>
 void multi_tensor_apply(const std::vector<std::array<void*, Meta::kDepth>>& addresses,
                         const std::vector<int64_t>& numels, const std::array<int64_t, Meta::kDepth>& element_bytes,
                         const Op& op, cudaStream_t stream) {
-  // Kernel arguments may total 4,096 bytes on every GPU and CUDA version.
-  static_assert(sizeof(Meta) + sizeof(Op) <= 4096, "kernel arguments exceed 4 KB");
+  static_assert(sizeof(Meta) + sizeof(Op) <= kKernelArgBytes, "kernel arguments exceed the limit");
   native::for_each_launch<Meta>(addresses, numels, element_bytes, Op::kChunk, [&](const Meta& meta, uint32_t blocks) {
     multi_tensor_kernel<Meta, Op><<<blocks, Op::kThreads, 0, stream>>>(meta, op);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
