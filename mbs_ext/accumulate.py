@@ -48,7 +48,7 @@ class GradBuffers:
     """Flat accumulation buffers (one per device) with a view per parameter.
 
     Views start on 16-byte boundaries (:func:`buffer_layout`); the padding between them
-    is never written and stays zero through every rescale and all-reduce.
+    belongs to no view, so nothing reads it as a gradient.
     """
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:

@@ -331,7 +331,7 @@ def test_misaligned_views_and_chunk_edges(device, acc_dtype, grad_dtype):
 
 
 def test_many_launches(device):
-    """More tensors than one launch's metadata holds (1,344 on a CUDA 13 build, 156 before), with
+    """More tensors than one launch's metadata holds (1,344 on a CUDA 13 build, 168 before), with
     a large tensor among tiny ones: every element updated exactly once."""
     gen = torch.Generator().manual_seed(4)
     sizes = [int(torch.randint(1, 300, (), generator=gen)) for _ in range(1500)]
@@ -348,11 +348,12 @@ def test_many_launches(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < 40 * 2**30,
-                    reason="needs a CUDA device with 40 GiB free")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_longer_than_one_piece():
     """The CUDA plan cuts a tensor of 2^31 elements or more into pieces with 32-bit counts:
     elements on both sides of the cut, and the last ones, are updated exactly once."""
+    if torch.cuda.mem_get_info()[0] < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
     n = 2**31 + 4099
     gen = torch.Generator(device="cuda").manual_seed(7)
     acc = torch.randn(n, generator=gen, device="cuda")

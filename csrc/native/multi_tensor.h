@@ -49,10 +49,11 @@ struct TensorListMeta {
   int32_t slots;                     // pieces in this launch (>= 1)
 
   // The piece that block `block` (< chunk_end[slots - 1]) works on: the first slot
-  // whose cumulative chunk count exceeds the block index.
+  // whose cumulative chunk count exceeds the block index. Every piece has at least
+  // one chunk, so that slot is at most `block`: the first blocks search less.
   MBS_HOST_DEVICE int slot_of(uint32_t block) const {
     int lo = 0;
-    int hi = slots - 1;
+    int hi = block < static_cast<uint32_t>(slots - 1) ? static_cast<int>(block) : slots - 1;
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
       if (chunk_end[mid] > block) {

@@ -54,9 +54,11 @@ using namespace mbs::native;
 namespace {
 
 // The device's PairListMeta: 4 KB of kernel arguments (CUDA < 13), and 32 KB.
-using SmallMeta = TensorListMeta<2, 156>;
+using SmallMeta = TensorListMeta<2, 168>;
 using LargeMeta = TensorListMeta<2, 1344>;
-static_assert(sizeof(SmallMeta) + 64 <= 4096 && sizeof(LargeMeta) + 64 <= 32764, "metadata over the argument limit");
+static_assert(sizeof(SmallMeta) + sizeof(ScaleAccumulateBlock<double, double>) <= 4096 &&
+                  sizeof(LargeMeta) + sizeof(ScaleAccumulateBlock<double, double>) <= 32764,
+              "metadata over the argument limit");
 
 // What the kernel does for one launch, one block and one thread at a time.
 template <typename Meta, typename Op>
@@ -294,6 +296,55 @@ template <typename Meta> void test_many_tensors(std::mt19937_64& rng, int count)
   MBS_CHECK(launches == (slots + Meta::kMaxSlots - 1) / Meta::kMaxSlots);
 }
 
+// Exactly one launch's worth of pieces takes one launch; one more takes two.
+template <typename Meta> void test_full_launch(std::mt19937_64& rng) {
+  for (const int extra : {0, 1}) {
+    Case c;
+    for (int i = 0; i < Meta::kMaxSlots + extra; ++i) {
+      c.numels.push_back(1 + i % 37);
+      c.acc_offsets.push_back(0);
+      c.grad_offsets.push_back(static_cast<size_t>(i % 2));
+    }
+    MBS_CHECK(run_case<float, F16, Meta>(c, rng) == 1 + extra);
+  }
+}
+
+// The plan at the real piece size (2^31 elements), on addresses that are never
+// touched: where each piece starts, how long it is, how many chunks it has.
+void test_plan_at_full_piece_size() {
+  constexpr int64_t P = kMaxPieceElements;
+  constexpr int64_t kChunk = 4096;
+  char* const a = reinterpret_cast<char*>(uintptr_t{1} << 40);
+  char* const g = reinterpret_cast<char*>(uintptr_t{1} << 44);
+  const std::vector<int64_t> numels = {P - 1, P, P + 1, 3 * P + 4099, 7};
+  std::vector<std::array<void*, 2>> addresses;
+  for (size_t i = 0; i < numels.size(); ++i) addresses.push_back({a + (i << 36), g + (i << 36)});
+  struct Piece {
+    size_t tensor;
+    int64_t offset;
+    int64_t n;
+  };
+  std::vector<Piece> want;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (int64_t off = 0; off < numels[i]; off += P) want.push_back({i, off, std::min(P, numels[i] - off)});
+  }
+  size_t seen = 0;
+  for_each_launch<SmallMeta>(addresses, numels, {4, 2}, kChunk, [&](const SmallMeta& meta, uint32_t blocks) {
+    uint32_t chunks = 0;
+    for (int s = 0; s < meta.slots; ++s, ++seen) {
+      MBS_CHECK(seen < want.size());
+      const Piece& w = want[seen];
+      MBS_CHECK(meta.addresses[0][s] == a + (w.tensor << 36) + w.offset * 4);
+      MBS_CHECK(meta.addresses[1][s] == g + (w.tensor << 36) + w.offset * 2);
+      MBS_CHECK(meta.numel[s] == static_cast<uint32_t>(w.n));
+      chunks += static_cast<uint32_t>((w.n + kChunk - 1) / kChunk);
+      MBS_CHECK(meta.chunk_end[s] == chunks);
+    }
+    MBS_CHECK(blocks == chunks);
+  });
+  MBS_CHECK(seen == want.size() && want.size() == 9);
+}
+
 // A tensor longer than a piece is cut at multiples of the piece size, and the pieces
 // of one tensor may straddle launches.
 void test_pieces(std::mt19937_64& rng) {
@@ -364,6 +415,9 @@ int main() {
   test_all_pairs(rng);
   test_many_tensors<SmallMeta>(rng, 500);
   test_many_tensors<LargeMeta>(rng, 3000);
+  test_full_launch<SmallMeta>(rng);
+  test_full_launch<LargeMeta>(rng);
+  test_plan_at_full_piece_size();
   test_pieces(rng);
   std::puts("test_multi_tensor: ok");
   return 0;

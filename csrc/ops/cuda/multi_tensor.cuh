@@ -26,7 +26,7 @@ constexpr size_t kKernelArgBytes = 32764;
 using PairListMeta = native::TensorListMeta<2, 1344>;
 #else
 constexpr size_t kKernelArgBytes = 4096;
-using PairListMeta = native::TensorListMeta<2, 156>;
+using PairListMeta = native::TensorListMeta<2, 168>;
 #endif
 
 // Block b works on one chunk of one piece; every thread calls op once (the op loads,
