@@ -6,9 +6,13 @@ synchronization before every clock read:
   pinned H2D            copy of a pinned host tensor to the device (the limit)
   memcpy -> pinned      pageable -> pinned ``copy_`` with torch at 1 / 4 / N threads
   gather -> pinned      ``index_select`` of random rows into pinned memory, 1 / 4 / N threads
+                        (both read micro-batch after micro-batch of the whole batch and
+                        write two pinned buffers in turn, as the ring does, so no round is
+                        served from the CPU's last-level cache)
   naive .to()           ``x[j:j+m].to(device)`` from a pageable batch
   ring staging          ``StreamRing(device).stream(batch, m)`` with no compute, from a
-                        pageable and from a pinned batch (staging_threads default and 1)
+                        pageable batch with staging_threads 1 / 4 / default / N, and from a
+                        pinned batch
   overlap study         compute per micro-batch calibrated to the ring's staging time
                         (128 x 3 x 224 x 224 fp32 per micro-batch, 16 micro-batches):
                         compute alone, ring, serial (copy, compute, synchronize), naive
@@ -112,15 +116,25 @@ def measure() -> dict:
     dst_dev = torch.empty((m, *MB_SHAPE[1:]), device=dev)
     src_pin = pinned[:m]
     rate["pinned H2D"] = gb(mb_bytes, timed(lambda: dst_dev.copy_(src_pin, non_blocking=True), rounds=20))
-    dst_pin = torch.empty((m, *MB_SHAPE[1:])).pin_memory()
-    idx = torch.randint(0, rows, (m,), generator=gen)
+    dst_pins = [torch.empty((m, *MB_SHAPE[1:])).pin_memory() for _ in range(2)]
+    gathers = [torch.randint(0, rows, (m,), generator=gen) for _ in range(MICRO_BATCHES)]
+    turn = iter(range(1 << 62))  # call count: rotates sources and destinations
+
+    def memcpy_next() -> None:
+        j = next(turn)
+        k = j % MICRO_BATCHES
+        dst_pins[j % 2].copy_(pageable[k * m : (k + 1) * m])
+
+    def gather_next() -> None:
+        j = next(turn)
+        torch.index_select(pageable, 0, gathers[j % MICRO_BATCHES], out=dst_pins[j % 2])
+
     for t in sorted({1, 4, n_threads}):
         rate[f"memcpy pageable->pinned, {t} threads"] = gb(
-            mb_bytes, with_threads(t, lambda: timed(lambda: dst_pin.copy_(pageable[m : 2 * m]), rounds=10))
+            mb_bytes, with_threads(t, lambda: timed(memcpy_next, rounds=2 * MICRO_BATCHES, warmup=2))
         )
         rate[f"gather into pinned, {t} threads"] = gb(
-            mb_bytes,
-            with_threads(t, lambda: timed(lambda: torch.index_select(pageable, 0, idx, out=dst_pin), rounds=10)),
+            mb_bytes, with_threads(t, lambda: timed(gather_next, rounds=2 * MICRO_BATCHES, warmup=2))
         )
 
     def naive() -> None:
@@ -138,9 +152,10 @@ def measure() -> dict:
 
     threads = default_staging_threads(dev)
     ring = StreamRing(dev)
-    ring1 = StreamRing(dev, staging_threads=1)
-    rate[f"ring staging from pageable, {threads} staging threads"] = gb(total, timed(ring_alone(ring, pageable)))
-    rate["ring staging from pageable, 1 staging thread"] = gb(total, timed(ring_alone(ring1, pageable)))
+    for t in sorted({1, 4, threads, n_threads}):
+        staged = ring if t == threads else StreamRing(dev, staging_threads=t)
+        rate[f"ring staging from pageable, {t} staging threads"] = gb(total, timed(ring_alone(staged, pageable)))
+        del staged
     rate["ring from pinned (direct copy)"] = gb(total, timed(ring_alone(ring, pinned)))
     stage_s = total / (rate[f"ring staging from pageable, {threads} staging threads"] * 1e9)
 
