@@ -9,6 +9,11 @@
 #
 # Keeps going after a failing part, prints a summary, exits non-zero if any part failed.
 # Each part has its own time limit; GPU_CHECK_TABLE=0 skips the (longest) Table 4 part.
+# GPU_CHECK_ONLY="tests bench_accumulate_gpu" runs only the named parts (the build always
+# runs): parts are tests, bench_accumulate_gpu, bench_step_gpu, bench_ring_gpu,
+# bench_planner, table_gpu. Where one command may run 10 minutes at most, split the
+# parts over several calls, e.g. "tests", then "bench_accumulate_gpu bench_step_gpu
+# bench_ring_gpu bench_planner", then "table_gpu".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -20,8 +25,16 @@ export MBS_BENCH_OUT="$OUT" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 declare -a SUMMARY=()
 FAILED=0
 
+wanted() {  # wanted NAME: whether GPU_CHECK_ONLY (default: every part) selects NAME
+  [ -z "${GPU_CHECK_ONLY:-}" ] || [ "$1" = build ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]
+}
+
 part() {  # part NAME LIMIT_S COMMAND...: run one part, log it, record how it went
   local name="$1" limit="$2"; shift 2
+  if ! wanted "$name"; then
+    SUMMARY+=("$(printf '%-22s %s' "$name" "not selected (GPU_CHECK_ONLY)")")
+    return 0
+  fi
   printf '\n=== %s (limit %ss) ===\n' "$name" "$limit"
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -56,7 +69,9 @@ part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tes
 for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu bench_planner; do
   [ -f "bench/$study.py" ] && part "$study" 100 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
 done
-if [ "${GPU_CHECK_TABLE:-1}" != 1 ]; then
+if ! wanted table_gpu; then
+  SUMMARY+=("table_gpu              not selected (GPU_CHECK_ONLY)")
+elif [ "${GPU_CHECK_TABLE:-1}" != 1 ]; then
   SUMMARY+=("table_gpu              skipped (GPU_CHECK_TABLE=0)")
 elif "$PY" -c 'import torchvision' > /dev/null 2>&1; then
   part table_gpu 240 "$PY" -m mbs_ext table --device cuda --model resnet50 --cap-gib 4 --rounds 1 --out "$OUT/table"
