@@ -127,25 +127,44 @@ template <typename A, typename G> struct ScaleAccumulateBlock {
     return (hg % ma == ha) ? hg : -1;
   }
 
-  // This thread's elements of [0, n), kScalarsPerThread independent loads of each
-  // operand per step. n <= kChunk, so offsets fit an int.
-  MBS_HOST_DEVICE static void scalar_range(A* __restrict__ acc, const G* __restrict__ grad, int n, C s, int thread,
-                                           bool& bad) {
-    for (int base = 0; base < n; base += kThreads * kScalarsPerThread) {
-      A a[kScalarsPerThread];
-      G g[kScalarsPerThread];
+  // L elements loaded and stored as one unit: the element itself, or a 16-byte vector.
+  template <typename T, int L> using Unit = std::conditional_t<L == 1, T, Vec<T, L>>;
+
+  MBS_HOST_DEVICE static void update_unit(A& a, G g, C s, bool& bad) { a = update(a, g, s, bad); }
+  template <int L>
+  MBS_HOST_DEVICE static void update_unit(Vec<A, L>& a, const Vec<G, L>& g, C s, bool& bad) {
+    MBS_UNROLL
+    for (int l = 0; l < L; ++l) a.v[l] = update(a.v[l], g.v[l], s, bad);
+  }
+
+  // This thread's units of `units` units of L elements from acc/grad (16-byte aligned
+  // when L > 1), K independent loads of each operand per loop step, all issued before
+  // any is used. units <= kChunk, so offsets fit an int.
+  template <int L, int K>
+  MBS_HOST_DEVICE static void strided_range(A* __restrict__ acc, const G* __restrict__ grad, int units, C s,
+                                            int thread, bool& bad) {
+    using UA = Unit<A, L>;
+    using UG = Unit<G, L>;
+    UA* __restrict__ au = reinterpret_cast<UA*>(acc);
+    const UG* __restrict__ gu = reinterpret_cast<const UG*>(grad);
+    for (int base = 0; base < units; base += kThreads * K) {
+      UA a[K];
+      UG g[K];
       MBS_UNROLL
-      for (int k = 0; k < kScalarsPerThread; ++k) {
-        const int i = base + thread + k * kThreads;
-        if (i < n) {
-          a[k] = acc[i];
-          g[k] = grad[i];
+      for (int k = 0; k < K; ++k) {
+        const int u = base + thread + k * kThreads;
+        if (u < units) {
+          a[k] = au[u];
+          g[k] = gu[u];
         }
       }
       MBS_UNROLL
-      for (int k = 0; k < kScalarsPerThread; ++k) {
-        const int i = base + thread + k * kThreads;
-        if (i < n) acc[i] = update(a[k], g[k], s, bad);
+      for (int k = 0; k < K; ++k) {
+        const int u = base + thread + k * kThreads;
+        if (u < units) {
+          update_unit(a[k], g[k], s, bad);
+          au[u] = a[k];
+        }
       }
     }
   }
@@ -153,37 +172,6 @@ template <typename A, typename G> struct ScaleAccumulateBlock {
   // The few (< kLanes <= kThreads) elements [0, n) before or after the vectors.
   MBS_HOST_DEVICE static void scalar_few(A* acc, const G* grad, int n, C s, int thread, bool& bad) {
     if (thread < n) acc[thread] = update(acc[thread], grad[thread], s, bad);
-  }
-
-  // This thread's vectors of n_vec vectors of kLanes elements from acc/grad, both
-  // 16-byte aligned; n_vec <= kChunk / kLanes.
-  MBS_HOST_DEVICE static void vector_range(A* __restrict__ acc, const G* __restrict__ grad, int n_vec, C s,
-                                           int thread, bool& bad) {
-    using VA = Vec<A, kLanes>;
-    using VG = Vec<G, kLanes>;
-    VA* __restrict__ av = reinterpret_cast<VA*>(acc);
-    const VG* __restrict__ gv = reinterpret_cast<const VG*>(grad);
-    for (int base = 0; base < n_vec; base += kThreads * kVecsPerThread) {
-      VA a[kVecsPerThread];
-      VG g[kVecsPerThread];
-      MBS_UNROLL
-      for (int k = 0; k < kVecsPerThread; ++k) {
-        const int v = base + thread + k * kThreads;
-        if (v < n_vec) {
-          a[k] = av[v];
-          g[k] = gv[v];
-        }
-      }
-      MBS_UNROLL
-      for (int k = 0; k < kVecsPerThread; ++k) {
-        const int v = base + thread + k * kThreads;
-        if (v < n_vec) {
-          MBS_UNROLL
-          for (int l = 0; l < kLanes; ++l) a[k].v[l] = update(a[k].v[l], g[k].v[l], s, bad);
-          av[v] = a[k];
-        }
-      }
-    }
   }
 
   // Thread `thread`'s share of chunk `chunk` of piece `slot`. Returns whether any of
@@ -201,7 +189,7 @@ template <typename A, typename G> struct ScaleAccumulateBlock {
 
     const int head = vector_head(acc, grad);
     if (head < 0) {
-      scalar_range(acc + begin, grad + begin, static_cast<int>(end - begin), s, thread, bad);
+      strided_range<1, kScalarsPerThread>(acc + begin, grad + begin, static_cast<int>(end - begin), s, thread, bad);
       return bad;
     }
     // Vectors start at h, h + kLanes, ...; chunk c owns the vectors that start in
@@ -213,7 +201,8 @@ template <typename A, typename G> struct ScaleAccumulateBlock {
     const int64_t v_hi = begin + kChunk + h < vec_end ? begin + kChunk + h : vec_end;
     if (chunk == 0) scalar_few(acc, grad, static_cast<int>(h), s, thread, bad);
     if (v_lo < v_hi) {
-      vector_range(acc + v_lo, grad + v_lo, static_cast<int>((v_hi - v_lo) / kLanes), s, thread, bad);
+      strided_range<kLanes, kVecsPerThread>(acc + v_lo, grad + v_lo, static_cast<int>((v_hi - v_lo) / kLanes), s,
+                                            thread, bad);
     }
     if (end == n) scalar_few(acc + vec_end, grad + vec_end, static_cast<int>(n - vec_end), s, thread, bad);
     return bad;
