@@ -8,8 +8,11 @@ device). The batch stays on the host; the reference is a float64 full-batch step
 from __future__ import annotations
 
 import copy
+import faulthandler
+import gc
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -128,34 +131,50 @@ def _agreement(rank, device, out_dir):
                os.path.join(out_dir, f"agree_auto_{rank}.pt"))
 
 
+def _scenarios(rank, device, out_dir):
+    for name, (kind, dtype, data_fn, split, m, normalize, acc) in SCENARIOS.items():
+        data = data_fn()
+        if dtype == torch.float32 and kind == "mlp":
+            data = tuple(v.float() for v in data)
+        local = _rows(data, 0, split) if rank == 0 else _rows(data, split, _n(data))
+        model = nn.parallel.DistributedDataParallel(make_model(kind, dtype).to(device))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        res = mbs_ext.step(model, opt, local, _loss_for(kind), micro_batch_size=m, normalize=normalize,
+                           accumulate_dtype=acc)
+        torch.save(
+            {
+                "params": {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
+                "grads": {k: v.grad.cpu().clone() for k, v in model.module.named_parameters()},
+                "loss": res.loss,
+                "num_micro_batches": res.num_micro_batches,
+            },
+            os.path.join(out_dir, f"{name}_{rank}.pt"),
+        )
+
+
 def _worker(rank, port, out_dir, device):
+    # A native crash (SIGABRT, SIGSEGV) leaves no Python traceback for mp.spawn to report: dump
+    # every thread's Python stack to a file the fixture prints.
+    fault_log = open(os.path.join(out_dir, f"fault_{rank}.txt"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.enable(file=fault_log, all_threads=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
         if device == "cuda":
             device = f"cuda:{rank % torch.cuda.device_count()}"
             torch.cuda.set_device(device)
-        for name, (kind, dtype, data_fn, split, m, normalize, acc) in SCENARIOS.items():
-            data = data_fn()
-            if dtype == torch.float32 and kind == "mlp":
-                data = tuple(v.float() for v in data)
-            local = _rows(data, 0, split) if rank == 0 else _rows(data, split, _n(data))
-            model = nn.parallel.DistributedDataParallel(make_model(kind, dtype).to(device))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            res = mbs_ext.step(model, opt, local, _loss_for(kind), micro_batch_size=m, normalize=normalize,
-                               accumulate_dtype=acc)
-            torch.save(
-                {
-                    "params": {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
-                    "grads": {k: v.grad.cpu().clone() for k, v in model.module.named_parameters()},
-                    "loss": res.loss,
-                    "num_micro_batches": res.num_micro_batches,
-                },
-                os.path.join(out_dir, f"{name}_{rank}.pt"),
-            )
+        _scenarios(rank, device, out_dir)
         _agreement(rank, device, out_dir)
+        gc.collect()  # every DDP model (and its hold on the process group) is gone
+        dist.barrier()  # no rank tears down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    # Every result is on disk: leave without interpreter finalization. gloo's worker threads
+    # outlive destroy_process_group (torch 2.13, 2.14), and a native thread still running while
+    # the interpreter tears down can abort the process after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port():
@@ -178,6 +197,9 @@ def ddp_results(request, tmp_path_factory):
             network = ("EADDRINUSE", "address already in use", "Connection", "Socket", "Gloo", "timed out", "Timeout")
             if attempt == 2 or not any(k in str(exc) for k in network):
                 raise
+        except mp.ProcessExitedException as exc:
+            dumps = "\n".join(f"--- {f.name}:\n{f.read_text()}" for f in sorted(out.glob("fault_*.txt")))
+            raise RuntimeError(f"{exc}\nPython stacks at the crash:\n{dumps}") from exc
     results = {name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS}
     for name in AGREEMENT:
         results[f"agree_{name}"] = [torch.load(out / f"agree_{name}_{r}.pt") for r in range(WORLD)]
