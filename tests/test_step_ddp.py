@@ -169,9 +169,10 @@ def _worker(rank, port, out_dir, device):
         dist.barrier()  # no rank tears down while the other still talks to it
     finally:
         dist.destroy_process_group()
-    # Every result is on disk: leave without interpreter finalization. gloo's worker threads
-    # outlive destroy_process_group (torch 2.13, 2.14), and a native thread still running while
-    # the interpreter tears down can abort the process after the work is done.
+    # Every result is on disk: leave without interpreter finalization. Once DDP has used the
+    # group, gloo's worker threads outlive destroy_process_group (torch 2.13 and 2.14), and a
+    # native thread still running while the interpreter tears down can abort the process after
+    # the work is done.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
