@@ -165,7 +165,7 @@ def _worker(rank, port, out_dir, device):
             torch.cuda.set_device(device)
         _scenarios(rank, device, out_dir)
         _agreement(rank, device, out_dir)
-        gc.collect()  # every DDP model (and its hold on the process group) is gone
+        gc.collect()  # the DDP models go now, not at some later point
         dist.barrier()  # no rank tears down while the other still talks to it
     finally:
         dist.destroy_process_group()
