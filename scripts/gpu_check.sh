@@ -29,10 +29,14 @@ wanted() {  # wanted NAME: whether GPU_CHECK_ONLY (default: every part) selects 
   [ -z "${GPU_CHECK_ONLY:-}" ] || [ "$1" = build ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]
 }
 
+not_run() {  # not_run NAME WHY: record a part that did not run, and why
+  SUMMARY+=("$(printf '%-22s %s' "$1" "$2")")
+}
+
 part() {  # part NAME LIMIT_S COMMAND...: run one part, log it, record how it went
   local name="$1" limit="$2"; shift 2
   if ! wanted "$name"; then
-    SUMMARY+=("$(printf '%-22s %s' "$name" "not selected (GPU_CHECK_ONLY)")")
+    not_run "$name" "not selected (GPU_CHECK_ONLY)"
     return 0
   fi
   printf '\n=== %s (limit %ss) ===\n' "$name" "$limit"
@@ -70,13 +74,13 @@ for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu bench_planner; d
   [ -f "bench/$study.py" ] && part "$study" 100 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
 done
 if ! wanted table_gpu; then
-  SUMMARY+=("table_gpu              not selected (GPU_CHECK_ONLY)")
+  not_run table_gpu "not selected (GPU_CHECK_ONLY)"
 elif [ "${GPU_CHECK_TABLE:-1}" != 1 ]; then
-  SUMMARY+=("table_gpu              skipped (GPU_CHECK_TABLE=0)")
+  not_run table_gpu "skipped (GPU_CHECK_TABLE=0)"
 elif "$PY" -c 'import torchvision' > /dev/null 2>&1; then
   part table_gpu 240 "$PY" -m mbs_ext table --device cuda --model resnet50 --cap-gib 4 --rounds 1 --out "$OUT/table"
 else
-  SUMMARY+=("table_gpu              skipped (no torchvision)")
+  not_run table_gpu "skipped (no torchvision)"
 fi
 
 printf '\n=== summary (results in %s) ===\n' "$OUT"
