@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import mbs_ext
-from mbs_ext.memory import PeakTracker
+from mbs_ext.diagnostics import PeakTracker
 
 OUT = Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results"))
 

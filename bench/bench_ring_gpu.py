@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from mbs_ext import StreamRing
-from mbs_ext._native import _C
-from mbs_ext.ring import default_staging_threads
+from mbs_ext.diagnostics import native as _C
+from mbs_ext.diagnostics import default_staging_threads
 
 MB_SHAPE = (128, 3, 224, 224)  # one micro-batch, fp32: 77 MB
 MICRO_BATCHES = 16

@@ -12,8 +12,9 @@ import torch
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.batchnorm import convert_batchnorm
-from mbs_ext.memory import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ops import scale_accumulate_
+from mbs_ext.options import StepOptions
+from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, step
 
@@ -32,6 +33,7 @@ def build_info() -> dict:
 __all__ = [
     "MicroBatchPlan",
     "MicroBatchStreamer",
+    "StepOptions",
     "StepResult",
     "StreamRing",
     "__version__",

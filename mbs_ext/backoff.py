@@ -1,67 +1,22 @@
-"""Out-of-memory back-off: the largest micro-batch that fits, found with a few probes.
+"""Out-of-memory back-off: when a step may be redone smaller, and the largest size that fits.
 
 Halving after an out-of-memory error throws away up to half the micro-batch size the
-device could hold. Instead, single-micro-batch probes (forward and backward of the
-first rows, undone afterwards) bisect between 0 and the size that failed; the step
-is redone once, at the largest size found, and the caller remembers it.
+device could hold. Instead, single-micro-batch probes (:func:`mbs_ext.probe.fits`)
+bisect between 0 and the size that failed; the step is redone once, at the largest
+size found, and the caller remembers it.
 """
 
 from __future__ import annotations
 
-import gc
+import traceback
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
-import torch
-from torch import nn
+from mbs_ext.finish import caller_stacklevel
+from mbs_ext.probe import is_out_of_memory
 
-from mbs_ext import batch as _batch
-from mbs_ext import loss as _loss
-from mbs_ext import memory as _memory
-from mbs_ext.batchnorm import deferred_layers
-from mbs_ext.snapshot import Snapshot
-
-
-def release_cached_memory(device: torch.device) -> None:
-    """Free what a failed attempt left: unreachable tensors and the allocator's cached blocks."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def fits(
-    model: nn.Module,
-    params: list[nn.Parameter],
-    batch: Any,
-    indices: torch.Tensor | None,
-    size: int,
-    device: torch.device,
-    loss_call: Callable,
-    autocast_dtype: torch.dtype | None,
-) -> bool:
-    """Whether one micro-batch of ``size`` rows runs forward and backward; leaves no trace."""
-    snap = Snapshot(model, device)
-    layers = deferred_layers(model)
-    for layer in layers:
-        layer.begin_mini_batch()
-    try:
-        picked = torch.arange(size) if indices is None else indices[:size]
-        mb = _batch.to_device(_batch.take(batch, picked), device)
-        with _loss.autocast(device, autocast_dtype):
-            loss = loss_call(model, mb)
-        loss.float().backward()
-        return True
-    except BaseException as exc:
-        if not _memory.is_out_of_memory(exc):
-            raise
-        return False
-    finally:
-        for layer in layers:
-            layer.discard()
-        for p in params:
-            p.grad = None
-        snap.restore()
-        release_cached_memory(device)
+R = TypeVar("R")
 
 
 def largest_fitting(fits_at: Callable[[int], bool], failed: int) -> int | None:
@@ -77,3 +32,48 @@ def largest_fitting(fits_at: Callable[[int], bool], failed: int) -> int | None:
     if lo == 0 and hi > 1 and fits_at(1):
         lo = 1
     return lo or None
+
+
+def with_backoff(
+    attempt: Callable[[int], R],
+    size: int,
+    *,
+    retryable: Callable[[BaseException], bool],
+    fits_at: Callable[[int], bool],
+    free: Callable[[], None],
+    remember: Callable[[int], None],
+) -> R:
+    """``attempt(size)``; on an out-of-memory error that ``retryable`` allows, probe for the
+    largest size that fits and redo it there (``remember`` keeps that size for later).
+
+    ``attempt`` must undo its own changes before raising. The failed attempt's frames
+    (and the tensors they hold) are dropped before probing; their text is kept for the
+    error raised when not even one row fits.
+    """
+    while True:
+        try:
+            return attempt(size)
+        except BaseException as exc:
+            if size == 1 or not is_out_of_memory(exc) or not retryable(exc):
+                raise
+            origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+            exc.__traceback__ = None
+            free()
+            smaller = largest_fitting(fits_at, size)
+            if smaller is None:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(
+                    "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
+                    "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
+                    + origin.rstrip()
+                )
+                raise exc from None
+            del exc
+            warnings.warn(
+                f"mbs_ext.step: out of memory at micro_batch_size={size}; "
+                f"redoing the step with micro_batch_size={smaller}",
+                RuntimeWarning,
+                stacklevel=caller_stacklevel(),
+            )
+            remember(smaller)
+            size = smaller

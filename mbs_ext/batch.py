@@ -7,6 +7,7 @@ host and never synchronizes with a device, so it is cheap to call once per step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,41 +19,68 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
 
 
-def num_rows(batch: Any, name: str = "batch") -> int:
-    """Shared dim-0 size of the tensor leaves of ``batch``.
+def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> tuple[list[torch.Tensor], int]:
+    """The one batch validator (step, planner and ring): the tensor leaves and their shared row count.
 
-    Raises TypeError when there is no tensor, ValueError on a 0-dim tensor or mismatched
-    dim-0 sizes; the messages name ``name`` so the caller's argument is obvious.
+    Leaves must be dense, have a batch dimension of the same size N >= 1, and sit on one
+    device among ``allowed`` (``where`` names them for the message: "the CPU or the
+    model's device cuda:0").
     """
+    if not isinstance(batch, (torch.Tensor, tuple, list, dict)) and isinstance(batch, Iterable):
+        raise TypeError(
+            f"batch is a {type(batch).__name__}: mbs_ext streams one mini-batch (a Tensor or a tuple/list/dict "
+            "of tensors); iterate over it and pass each mini-batch it yields"
+        )
     leaves = tensor_leaves(batch)
     if not leaves:
-        raise TypeError(f"{name} must be a Tensor or a nested tuple/list/dict holding at least one Tensor")
-    sizes = set()
-    for t in leaves:
+        raise ValueError(
+            "batch must be a Tensor or a nested tuple/list/dict holding at least one tensor, "
+            f"got {type(batch).__name__}"
+        )
+    first = leaves[0].device
+    n = None
+    for k, t in enumerate(leaves):
+        if t.device not in allowed:
+            raise ValueError(f"batch tensors must be on {where}, tensor {k} is on {t.device}")
+        if t.device != first:
+            raise ValueError(
+                f"batch tensors must all be on one device: tensor 0 is on {first}, tensor {k} on {t.device}"
+            )
+        if t.layout != torch.strided:
+            raise ValueError(f"batch tensors must be dense (strided), tensor {k} has layout {t.layout}")
         if t.dim() == 0:
-            raise ValueError(f"{name} holds a 0-dim tensor; every tensor needs a leading batch dimension")
-        sizes.add(t.shape[0])
-    if len(sizes) != 1:
-        raise ValueError(f"{name} tensors disagree on their dim-0 (batch) size: {sorted(sizes)}")
-    return sizes.pop()
-
-
-def check_batch(batch: Any, name: str = "batch") -> int:
-    """Like :func:`num_rows` but also rejects an empty batch."""
-    n = num_rows(batch, name)
+            raise ValueError(f"batch tensor {k} is 0-dim; every tensor needs a leading batch dimension")
+        if n is None:
+            n = t.shape[0]
+        elif t.shape[0] != n:
+            raise ValueError(f"batch tensors disagree on their dim-0 (batch) size: tensor 0 has {n} rows, "
+                             f"tensor {k} has {t.shape[0]}")
     if n == 0:
-        raise ValueError(f"{name} is empty (dim-0 size 0)")
-    return n
+        raise ValueError("batch is empty: 0 rows (its dim-0 size must be >= 1)")
+    return leaves, n
 
 
-def check_indices(indices: Any, dataset_rows: int) -> torch.Tensor:
-    """Validate ``indices`` into a dataset of ``dataset_rows`` rows; return them as CPU int64."""
+def check(batch: Any, indices: Any, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """A batch for a model on ``device`` (on the host or on that device), and its optional
+    ``indices``: the mini-batch's row count and the indices as CPU int64."""
+    allowed = (torch.device("cpu"),) if device.type == "cpu" else (torch.device("cpu"), device)
+    _, n = check_leaves(batch, allowed, f"the CPU or on the model's device {device}")
+    if indices is None:
+        return n, None
+    indices = check_indices(indices, n, allowed)
+    return int(indices.numel()), indices
+
+
+def check_indices(indices: Any, dataset_rows: int, allowed: tuple[torch.device, ...]) -> torch.Tensor:
+    """The one index validator: ``indices`` into a dataset of ``dataset_rows`` rows, as CPU int64."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a 1-d integer torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"indices must be a 1-d int64 (or int32) tensor, got dtype {indices.dtype}")
+    if indices.device not in allowed:
+        raise ValueError(f"indices must be on {' or '.join(str(d) for d in allowed)}, got {indices.device}")
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-d, got shape {tuple(indices.shape)}")
-    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
-        raise TypeError(f"indices must have an integer dtype (int64), got {indices.dtype}")
     if indices.numel() == 0:
         raise ValueError("indices is empty: the mini-batch would have no rows")
     indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
@@ -62,29 +90,6 @@ def check_indices(indices: Any, dataset_rows: int) -> torch.Tensor:
     if hi >= dataset_rows:
         raise ValueError(f"indices must lie in [0, {dataset_rows}) (the dataset's rows), found index {hi}")
     return indices
-
-
-def split_sizes(rows: int, micro_batch_size: int) -> list[int]:
-    """Sizes of the ``ceil(rows / micro_batch_size)`` micro-batches of ``rows`` rows.
-
-    Sizes differ by at most one (the first ``rows % k`` hold one row more), so
-    ``micro_batch_size`` is the largest: no one-row tail that wastes a launch, gives
-    the allocator and kernels an extra shape, or cannot train (BatchNorm on one row).
-    The streaming ring splits by the same rule.
-    """
-    k = -(-rows // micro_batch_size)
-    base, extra = divmod(rows, k)
-    return [base + 1] * extra + [base] * (k - extra)
-
-
-def split_offsets(rows: int, micro_batch_size: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` row ranges of the micro-batches of :func:`split_sizes`."""
-    ranges, start = [], 0
-    for size in split_sizes(rows, micro_batch_size):
-        ranges.append((start, start + size))
-        start += size
-    return ranges
-
 
 
 def take(batch: Any, rows: torch.Tensor) -> Any:

@@ -17,9 +17,18 @@ its calls into one mini-batch update.
 
 Outside a streamed step the layers behave exactly like ``nn.BatchNorm``; their
 parameters, buffers and state_dict keys are those of ``nn.BatchNorm``.
+
+A step defers plain ``nn.BatchNorm1d/2d/3d`` layers by itself (:func:`deferring`: they
+become their twins for the step and return to their own class after it), so
+``convert_batchnorm`` only makes the deferral permanent. ``nn.SyncBatchNorm`` in
+training mode is refused: its forward is a collective over the ranks, which ranks with
+different numbers of micro-batches would not all enter.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -168,3 +177,35 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
     """The deferred-statistics BatchNorm layers inside ``module``."""
     return [m for m in module.modules() if isinstance(m, _DeferredStats)]
+
+
+@contextlib.contextmanager
+def deferring(model: nn.Module) -> Iterator[list[_DeferredStats]]:
+    """Within the block every BatchNorm of ``model`` defers its statistics; yields the deferred layers.
+
+    Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block (same
+    object, parameters and buffers) and get their own class back afterwards, whatever
+    happens in the block.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
+            raise ValueError(
+                f"model has an nn.SyncBatchNorm in training mode ({name or 'the model'}): its forward "
+                "synchronizes with every rank per micro-batch, which a streamed step cannot keep in step. "
+                "Use nn.BatchNorm (mbs_ext commits its statistics once per mini-batch) or call "
+                "model.eval() on that layer"
+            )
+    swapped = []
+    try:
+        for m in model.modules():
+            if type(m) in _TWINS:
+                original = type(m)
+                m.__class__ = _TWINS[original]
+                m._deferred_init()
+                swapped.append((m, original))
+        yield deferred_layers(model)
+    finally:
+        for m, original in swapped:
+            m.__class__ = original
+            for attr in ("_collecting", "_pending"):
+                m.__dict__.pop(attr, None)

@@ -1,4 +1,14 @@
-"""The ``loss_fn(model, batch)`` convention: adapt ``torch.nn`` losses, check what comes back.
+"""The ``loss_fn(model, batch)`` convention: adapt ``torch.nn`` losses, read how they average, check results.
+
+A ``torch.nn`` loss module is called as ``loss_fn(model(inputs), targets)`` on an
+``(inputs, targets)`` batch, and its configuration says how micro-batch losses combine
+(:func:`rule_for`): ``reduction="sum"`` adds sums; ``CrossEntropyLoss``/``NLLLoss``
+with class-index targets average over the weight of their non-ignored targets
+(``sum(weight[target])``, or their number without ``weight``), counted on the device;
+every other built-in mean (probability targets and label smoothing included, MSE, BCE
+with ``pos_weight``, Huber, ``KLDivLoss(reduction="batchmean")``, CTC...) averages
+over a fixed number of items per row, so ``"samples"`` is exact for it. A subclass
+with its own ``forward`` is not guessed at: it needs an explicit ``normalize``.
 
 Also the autocast context the forward runs in, shared by the step and the planner's
 probes so both measure the same computation.
@@ -15,8 +25,29 @@ from torch import nn
 from torch.nn.modules.loss import _Loss
 
 from mbs_ext import batch as _batch
+from mbs_ext.normalize import Rule, rule_of
 
 LossCall = Callable[[nn.Module, Any], torch.Tensor]
+
+# Functions of the (prediction, target) convention that users pass by mistake.
+_PAIR_FUNCTION_MODULES = ("torch.nn.functional", "torch", "torch._C._nn", "torch.nn.modules.loss")
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Refuse what cannot be called as ``loss_fn(model, batch)``, naming the fix."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, nn.Module) and not isinstance(loss_fn, _Loss):
+        return
+    module = getattr(loss_fn, "__module__", None) or ""
+    name = getattr(loss_fn, "__name__", "")
+    if not isinstance(loss_fn, _Loss) and module in _PAIR_FUNCTION_MODULES and name:
+        raise TypeError(
+            f"loss_fn is {module}.{name}, a (prediction, target) function; mbs_ext calls "
+            "loss_fn(model, micro_batch). Pass a torch.nn loss module (e.g. nn.CrossEntropyLoss(): "
+            "the step calls it as loss(model(inputs), targets)) or "
+            f"lambda model, b: {name}(model(b[0]), b[1])"
+        )
 
 
 def loss_caller(loss_fn: Callable, batch: Any) -> LossCall:
@@ -32,6 +63,73 @@ def loss_caller(loss_fn: Callable, batch: Any) -> LossCall:
     return call
 
 
+def _builtin_forward(loss_fn: _Loss) -> type | None:
+    """The torch.nn class whose ``forward`` ``loss_fn`` runs, or None for a custom forward."""
+    for cls in type(loss_fn).__mro__:
+        if "forward" in vars(cls):
+            return cls if cls.__module__.startswith("torch.nn.") else None
+    return None
+
+
+def rule_for(loss_fn: Callable, normalize: Any) -> Rule:
+    """The count rule of a step: from ``normalize`` when given, else read from an ``nn`` loss."""
+    if not isinstance(loss_fn, _Loss):
+        return rule_of(normalize)
+    name = type(loss_fn).__name__
+    reduction = getattr(loss_fn, "reduction", "mean")
+    if reduction == "none":
+        raise ValueError(
+            f"loss_fn={name}(reduction='none') returns one loss per item, and a step needs one number; "
+            "use reduction='mean' or 'sum' (mbs_ext keeps either exact over the whole mini-batch)"
+        )
+    base = _builtin_forward(loss_fn)
+    if base is None:
+        if normalize is None:
+            raise ValueError(
+                f"loss_fn is a {name} with its own forward, so mbs_ext cannot tell how it averages; pass "
+                "normalize='samples' (a mean over rows), normalize='sum' (a sum) or a count callable"
+            )
+        return rule_of(normalize)
+    derived = _derived_rule(loss_fn, base, reduction)
+    if normalize is None or normalize == "micro_batches" or callable(normalize):
+        return derived if normalize is None else rule_of(normalize)
+    if normalize != derived.kind:
+        raise ValueError(
+            f"normalize={normalize!r} contradicts loss_fn={name}(reduction={reduction!r}), which "
+            f"{'adds up' if derived.kind == 'sum' else 'averages over ' + derived.source}; "
+            "leave normalize unset and mbs_ext normalizes as the loss does"
+        )
+    return derived
+
+
+def _derived_rule(loss_fn: _Loss, base: type, reduction: str) -> Rule:
+    if reduction == "sum":
+        return Rule("sum", source=f"{type(loss_fn).__name__}(reduction='sum')")
+    if issubclass(base, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return Rule("count", _ClassTargetCount(loss_fn), f"the weight of the non-ignored targets of {base.__name__}")
+    return Rule("samples", source="its rows")
+
+
+class _ClassTargetCount:
+    """``sum(weight[target])`` over targets other than ``ignore_index`` (their number without
+    ``weight``): the denominator of a class-index CrossEntropyLoss/NLLLoss mean, on the device.
+    Probability targets (floating point, CrossEntropyLoss only) average over rows."""
+
+    def __init__(self, loss_fn: _Loss) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, micro_batch: Any) -> Any:
+        target = micro_batch[1]
+        if target.is_floating_point():
+            return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+        keep = target != self.loss_fn.ignore_index
+        weight = self.loss_fn.weight
+        if weight is None:
+            return keep.sum()
+        picked = weight.to(torch.float64)[target.masked_fill(~keep, 0)]
+        return (picked * keep).sum()
+
+
 def check_loss(loss: Any, device: torch.device) -> None:
     """A 0-dim tensor on the model's device that requires grad."""
     if not isinstance(loss, torch.Tensor):
@@ -39,7 +137,10 @@ def check_loss(loss: Any, device: torch.device) -> None:
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a 0-dim (scalar) tensor, got shape {tuple(loss.shape)}")
     if not loss.requires_grad:
-        raise ValueError("loss_fn returned a tensor that does not require grad (detached from the model?)")
+        raise ValueError(
+            "loss_fn returned a tensor that does not require grad: it must be computed from the model's "
+            "output (not detached, not under torch.no_grad())"
+        )
     if loss.device != device:
         raise ValueError(f"loss_fn returned a tensor on {loss.device}, but the model is on {device}")
 

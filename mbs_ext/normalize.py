@@ -1,12 +1,18 @@
-"""Loss-weight rules: how much each micro-batch's mean loss counts in the mini-batch loss.
+"""Every count rule: how much each micro-batch's loss counts in the mini-batch loss.
 
-Every rule is expressed as a per-micro-batch *count* ``c_i``; the mini-batch loss is
-``sum_i c_i * loss_i / sum_i c_i``. With ``loss_i`` the mean over the micro-batch's
-items, that is exactly the mean over all items of the mini-batch when ``c_i`` is the
-number of items ("samples" or a count callable). "micro_batches" gives every
-micro-batch the count 1 (weight 1/M; under DDP 1/M over all ranks' micro-batches), the
-rule of the micro-batch streaming papers; it is kept for comparison and is wrong
-whenever micro-batches hold different numbers of items.
+A rule gives each micro-batch a *count* ``c_i``; the mini-batch loss is
+``sum_i c_i * loss_i / D``. For a mean (``"samples"``, a count callable, a ``torch.nn``
+loss with class weights or ignored targets) ``D = sum_i c_i`` over every micro-batch of
+every rank, so the result is the mean over all items of the mini-batch whatever the
+split. For a sum (``"sum"``, ``reduction="sum"``) ``c_i = 1`` and ``D = 1``.
+``"micro_batches"`` (``c_i = 1``, ``D = M``) is the rule of the micro-batch streaming
+papers, kept for comparison: it is wrong whenever micro-batches differ in size.
+
+``D`` is known before the first micro-batch only for fixed rules. Otherwise a
+provisional denominator of the right magnitude (first count times M) weights the
+micro-batches, and what they accumulated is rescaled once the total is known
+(:meth:`Normalizer.settle`). Device counts are validated on the device and read in
+the step's one host sync (:meth:`Normalizer.check`); nothing here reads a device value.
 """
 
 from __future__ import annotations
@@ -14,114 +20,178 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-Normalize = str | Callable[[Any], "int | torch.Tensor"]
+from mbs_ext.ranks import Ranks
 
-RULES = ("samples", "micro_batches")
+Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on the device
+
+INVALID_COUNT = "normalize count must be a non-negative finite number"
 
 
-def check_normalize(normalize: Any) -> None:
-    """Reject anything but a known rule name or a callable."""
+@dataclass(frozen=True)
+class Rule:
+    """``kind`` is "samples", "micro_batches", "sum" or "count" (``count(micro_batch)``)."""
+
+    kind: str
+    count: Callable[[Any], Any] | None = None
+    source: str = ""  # what the rule was read from, for messages
+
+    @property
+    def known_ahead(self) -> bool:
+        return self.kind != "count"
+
+
+def rule_of(normalize: Any) -> Rule:
+    """The rule an already validated ``normalize`` option names (None means "samples")."""
+    if normalize is None:
+        return Rule("samples")
     if isinstance(normalize, str):
-        if normalize not in RULES:
-            raise ValueError(f"normalize must be one of {RULES} or a callable, got {normalize!r}")
-    elif not callable(normalize):
-        raise TypeError(
-            f"normalize must be one of {RULES} or a callable count(batch), got {type(normalize).__name__}"
-        )
+        return Rule(normalize)
+    return Rule("count", normalize, "the normalize callable")
 
 
-def needs_count_pass(normalize: Normalize) -> bool:
-    """Whether the count of a micro-batch comes from user code (and so is unknown ahead)."""
-    return callable(normalize) and not isinstance(normalize, str)
-
-
-Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on a device
-
-
-def count(normalize: Normalize, micro_batch: Any, rows: int) -> Count:
-    """The count ``c_i`` of one micro-batch of ``rows`` rows.
-
-    A count callable returning a tensor keeps it a tensor: on an accelerator, turning
-    it into a Python number would stall the host once per micro-batch. Tensor counts
-    are validated later, on their device (:func:`invalid_count`), and read in the
-    step's one host sync; CPU tensors take the same path, so it is tested everywhere.
-    Python numbers are validated at once.
-    """
-    if normalize == "samples":
-        return float(rows)
-    if normalize == "micro_batches":
-        return 1.0
-    value = normalize(micro_batch)
+def check_count(value: Any, source: str = "the normalize callable") -> float:
+    """A host count: a non-negative finite number (a weight or an integer count)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"normalize count must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        if value.is_complex():
-            raise ValueError(f"normalize count must be a non-negative integer, got dtype {value.dtype}")
-        return value.detach().reshape(()).to(torch.float64)
-    return check_count(value)
-
-
-def invalid_count(c: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor: whether a device count is not a non-negative integer (no host sync)."""
-    return ~torch.isfinite(c) | (c < 0) | (c != torch.floor(c))
-
-
-INVALID_COUNT_MESSAGE = "normalize count must be a non-negative integer"
-
-
-def check_count(value: Any) -> float:
-    """Validate a count returned by a count callable: a non-negative integer."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"normalize count must be a scalar, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"normalize count must be a non-negative integer, got {type(value).__name__}")
+        raise TypeError(
+            f"{INVALID_COUNT} (an int, float or 0-dim tensor); {source} returned "
+            f"{type(value).__name__} {value!r}"
+        )
     v = float(value)
-    if math.isnan(v) or math.isinf(v) or v < 0 or v != math.floor(v):
-        raise ValueError(f"normalize count must be a non-negative integer, got {value!r}")
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{INVALID_COUNT}; {source} returned {value!r}")
     return v
 
 
-def check_total(total: float) -> None:
-    """A zero total count leaves the mean loss undefined."""
-    if total == 0:
-        raise ValueError(
-            "normalize: the counts of the whole mini-batch sum to 0 (no loss items); "
-            "the mean loss is undefined"
+def _device_count(value: torch.Tensor, source: str) -> torch.Tensor:
+    if value.numel() != 1:
+        raise ValueError(f"{INVALID_COUNT}; {source} returned a tensor of shape {tuple(value.shape)}")
+    if value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{INVALID_COUNT}; {source} returned a tensor of dtype {value.dtype}")
+    return value.detach().reshape(()).to(torch.float64)
+
+
+class Normalizer:
+    """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches."""
+
+    def __init__(self, rule: Rule, *, rows: int, num_micro_batches: int, device: torch.device, ranks: Ranks) -> None:
+        self.rule = rule
+        self.num_mb = num_micro_batches
+        self.device = device
+        self.ranks = ranks
+        self.summing = rule.kind == "sum"
+        self.local_total: Count = 0.0
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.total: Count | None = None  # the global D, once settled
+        self.denom: Count | None = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}.get(
+            rule.kind
         )
+        # 1 + the first micro-batch whose device count is invalid (0: none; -1: only another rank's).
+        self.bad: torch.Tensor | None = None
+        self.rows_of: list[tuple[int, int]] = []
 
+    def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
+        """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
+        index = len(self.rows_of)
+        self.rows_of.append(rows)
+        kind = self.rule.kind
+        if kind == "samples":
+            c: Count = float(rows[1] - rows[0])
+        elif kind in ("micro_batches", "sum"):
+            c = 1.0
+        else:
+            c = self._called_count(micro_batch, index)
+        self.local_total = self.local_total + c
+        if self.denom is None:
+            self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
+        return c
 
-def all_reduce_sum(
-    values: list[Count], device: torch.device, group: Any = None, host_tail: list[float] | None = None
-) -> torch.Tensor:
-    """Per-rank totals summed over the DDP ``group`` in one collective, as a float64 vector.
+    def _called_count(self, micro_batch: Any, index: int) -> Count:
+        value = self.rule.count(micro_batch)
+        source = self.rule.source
+        if not isinstance(value, torch.Tensor):
+            return check_count(value, source)
+        c = _device_count(value, source)
+        if c.device.type == "cpu" and self.device.type != "cpu":
+            return check_count(c, source)  # read on the host: a copy to the device would block
+        c = c.to(self.device)
+        mark = (~torch.isfinite(c) | (c < 0)).to(torch.float64) * float(index + 1)
+        self.bad = mark if self.bad is None else torch.where(self.bad > 0, self.bad, mark)
+        return c
 
-    Stays on ``device`` (no host sync): the caller reads it in the step's one probe.
-    Without a process group it just stacks the values. ``host_tail`` (host numbers, e.g.
-    one flag per parameter) is appended with a single copy from pinned memory rather
-    than one blocking host-to-device copy per number.
-    """
-    import torch.distributed as dist
+    def add_loss(self, loss: torch.Tensor, c: Count) -> None:
+        """Add ``c * loss`` to the mini-batch loss (a zero count adds nothing, even a NaN mean)."""
+        if isinstance(c, torch.Tensor):
+            self.loss_sum += torch.where(c > 0, loss.double() * c, torch.zeros_like(c))
+        elif c != 0:
+            self.loss_sum += loss.double() * c
 
-    parts = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
-    t = torch.stack(parts)
-    if host_tail:
-        tail = torch.tensor(host_tail, dtype=torch.float64)
-        if device.type == "cuda":
-            tail = tail.pin_memory().to(device, non_blocking=True)
-        t = torch.cat([t, tail.to(device)])
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+    def weight(self, c: Count) -> Count:
+        """The gradient weight of a micro-batch before the total is known (``c / provisional D``)."""
+        return c / self.denom
 
+    def final_weight(self, c: Count) -> Count:
+        """The exact weight of a micro-batch after :meth:`settle`, times the DDP world (DDP averages)."""
+        return c * self.ranks.world / self.total
 
-def ratio(numerator: Count, total: Count) -> Count:
-    """``numerator / total`` for rescaling; 1.0 for a zero host total (that step fails later)."""
-    if isinstance(total, torch.Tensor) or isinstance(numerator, torch.Tensor) or total != 0:
-        return numerator / total
-    return 1.0
+    def settle(self, extra: list[Count] = (), host_tail: list[float] | None = None) -> torch.Tensor | None:
+        """Global total and loss over the ranks in one collective (with ``extra`` values riding along).
+
+        Returns the reduced ``extra`` + ``host_tail`` values (None on one process).
+        """
+        total: Count = 1.0 if self.summing else self.local_total
+        reduced = None
+        if self.ranks.group is not None:
+            values = self.ranks.all_reduce_sum(
+                [total, self.loss_sum, self._bad_flag(), *extra], self.device, host_tail=host_tail
+            )
+            if not self.summing:
+                total = values[0]
+            self.loss_sum = values[1]
+            self._merge_bad(values[2])
+            reduced = values[3:]
+        self.total = total
+        return reduced
+
+    def rescale_factor(self, per_rank: bool) -> Count:
+        """What to multiply provisionally weighted sums by: ``D_provisional / D`` (times the world
+        when the sums are per rank and DDP will average them)."""
+        num = self.denom * self.ranks.world if per_rank else self.denom
+        if isinstance(self.total, torch.Tensor) or isinstance(num, torch.Tensor) or self.total != 0:
+            return num / self.total
+        return 1.0  # a zero host total: check() fails the step
+
+    def device_values(self) -> list[Count]:
+        """What :meth:`check` needs read on the host: loss sum, total, bad-count mark."""
+        return [self.loss_sum, self.total, self.bad if self.bad is not None else 0.0]
+
+    def check(self, loss_sum: float, total: float, bad: float) -> float:
+        """Raise on an invalid count or a zero total; return the mini-batch loss."""
+        if bad != 0:
+            raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned one that is not {self._where(bad)}")
+        if total == 0:
+            raise ValueError(
+                "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
+            )
+        return loss_sum / total
+
+    def _where(self, mark: float) -> str:
+        return "on another DDP rank" if mark < 0 else f"at {self.describe(int(mark) - 1)}"
+
+    def describe(self, k: int) -> str:
+        """Micro-batch ``k`` and its rows, for messages."""
+        start, stop = self.rows_of[k]
+        return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
+
+    def _bad_flag(self) -> Count:
+        return (self.bad > 0).to(torch.float64) if self.bad is not None else 0.0
+
+    def _merge_bad(self, ranks_with_bad: torch.Tensor) -> None:
+        local = self.bad if self.bad is not None else torch.zeros_like(ranks_with_bad)
+        self.bad = torch.where(ranks_with_bad > 0, torch.where(local > 0, local, -1.0), 0.0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -61,22 +60,14 @@ def _check_device(device: Any) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _check_indices(indices: Any, n: int, allowed: tuple[torch.device, ...]) -> torch.Tensor:
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"indices must be a 1-d int64 tensor or None, got {type(indices).__name__}")
-    if indices.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"indices must be a 1-d int64 (or int32) tensor, got dtype {indices.dtype}")
-    if indices.device not in allowed:
-        where = " or ".join(str(d) for d in allowed)
-        raise ValueError(f"indices must be on {where}, got {indices.device}")
-    return _batch.check_indices(indices, n)  # shape, emptiness, range: shared with mbs_ext.step
-
-
 def split_sizes(rows: int, micro_batch_size: int) -> list[int]:
     """Balanced micro-batch sizes, as the native ring cuts them.
 
     ``k = ceil(rows / m)`` micro-batches; the first ``rows % k`` have ``rows // k + 1``
-    rows, the rest ``rows // k``. The same rule as ``mbs_ext.batch.split_sizes``.
+    rows, the rest ``rows // k``: ``m`` is the largest, and there is no one-row tail that
+    wastes a launch, gives the allocator an extra shape, or cannot train (BatchNorm on one
+    row). The split rule of the whole package: the native ring cuts by it, and the step
+    and planner read the sizes from here.
     """
     rows = _check_int("rows", rows, 0)
     m = _check_int("micro_batch_size", micro_batch_size, 1)
@@ -230,39 +221,6 @@ class StreamRing:
         self._ring = _C.StreamRing(str(self.device), slots, staging_threads)
         self._sliced_stats: dict | None = None
 
-    def _check_batch(self, flat: list) -> tuple[list[int], list[torch.Tensor], int, torch.device]:
-        """The one validation of the batch (the native ring only re-checks defensively)."""
-        tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
-        if not tensor_pos:
-            raise ValueError("batch must contain at least one tensor")
-        leaves = [flat[i] for i in tensor_pos]
-        where = leaves[0].device
-        allowed = {torch.device("cpu"), self.device}
-        n = None
-        for k, t in enumerate(leaves):
-            if t.device not in allowed:
-                raise ValueError(
-                    f"batch tensors must be on the CPU or on the ring's device {self.device}, "
-                    f"tensor {k} is on {t.device}"
-                )
-            if t.device != where:
-                raise ValueError(
-                    f"batch tensors must all be on one device: tensor 0 is on {where}, tensor {k} on {t.device}"
-                )
-            if t.layout != torch.strided:
-                raise ValueError(f"batch tensors must be dense (strided), tensor {k} has layout {t.layout}")
-            if t.dim() == 0:
-                raise ValueError(f"batch tensors need a batch dim 0, tensor {k} is 0-dim")
-            if n is None:
-                n = t.shape[0]
-            elif t.shape[0] != n:
-                raise ValueError(
-                    f"batch tensors must share dim-0 size: tensor 0 has {n} rows, tensor {k} has {t.shape[0]}"
-                )
-        if n == 0:
-            raise ValueError("batch has 0 rows (dim-0 size N must be >= 1)")
-        return tensor_pos, [t.detach() for t in leaves], n, where
-
     def stream(
         self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None, copy: bool = True
     ) -> RingIterator:
@@ -280,11 +238,14 @@ class StreamRing:
         ``indices``; views share memory with ``batch``, as ``batch.split(m)`` would.
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
+        allowed = (torch.device("cpu"), self.device)
+        _, n = _batch.check_leaves(batch, allowed, f"the CPU or on the ring's device {self.device}")
         flat, spec = tree_flatten(batch)
-        tensor_pos, leaves, n, where = self._check_batch(flat)
+        tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        leaves = [flat[i].detach() for i in tensor_pos]
+        where = leaves[0].device
         if indices is not None:
-            allowed = (torch.device("cpu"),) if where.type == "cpu" else (torch.device("cpu"), where)
-            indices = _check_indices(indices, n, allowed)
+            indices = _batch.check_indices(indices, n, (torch.device("cpu"), where))
         for i in tensor_pos:
             flat[i] = None  # the template keeps only the non-tensor leaves
         on_device = where.type != "cpu"
@@ -308,13 +269,6 @@ class StreamRing:
         self._sliced_stats = None
         handle = self._ring.open(leaves, m, indices)
         return RingIterator(self, flat, tensor_pos, spec, handle=handle)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> RingIterator:
-        """Deprecated spelling of :meth:`stream`."""
-        warnings.warn(
-            "StreamRing(...)(batch, m) is deprecated; call ring.stream(batch, m)", DeprecationWarning, stacklevel=2
-        )
-        return self.stream(*args, **kwargs)
 
     def stats(self) -> dict:
         """Totals of the most recent stream: stage_s (worker staging time), wait_s

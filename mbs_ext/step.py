@@ -4,22 +4,20 @@
 ``optimizer.zero_grad(); loss_fn(model, batch).backward(); optimizer.step()`` on the
 whole mini-batch, while only one micro-batch at a time lives on the model's device.
 
-This module only coordinates; data flows one way through the others:
-batch (:mod:`~mbs_ext.batch`: split into near-equal micro-batches) → ring
-(:mod:`~mbs_ext.ring`: staged to the device while the previous one computes) → loss
-(:mod:`~mbs_ext.loss`) weighted by counts (:mod:`~mbs_ext.normalize`) → gradients add
-up (:mod:`~mbs_ext.accumulate`) → one host sync and the update (:mod:`~mbs_ext.update`).
-What the step changes before the optimizer steps is snapshotted
-(:mod:`~mbs_ext.snapshot`) and restored on any error, so a failed step leaves no
-trace; on running out of memory the step is redone at the largest micro-batch size
-a few probes find to fit.
+This module only sequences; each component is handed what it needs and data flows one
+way: options (:mod:`~mbs_ext.options`) → checks (:mod:`~mbs_ext.model`,
+:mod:`~mbs_ext.batch`, :mod:`~mbs_ext.loss`) → micro-batch size (fixed, planned by
+:mod:`~mbs_ext.planner`, or learned by :mod:`~mbs_ext.backoff`) → the ring
+(:mod:`~mbs_ext.ring`) streams micro-batches into the pass
+(:mod:`~mbs_ext.forward_backward`), which weights them (:mod:`~mbs_ext.normalize`) and
+adds their gradients into a sink (:mod:`~mbs_ext.grads`) → the finish
+(:mod:`~mbs_ext.finish`: one host sync, skip or step). Until the optimizer steps,
+everything is undone on any error (:mod:`~mbs_ext.rollback`).
 """
 
 from __future__ import annotations
 
 import time
-import traceback
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,80 +26,68 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import _checks
-from mbs_ext import accumulate as _acc
-from mbs_ext import backoff as _backoff
+from mbs_ext import backoff, planner, probe
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
-from mbs_ext import memory as _memory
-from mbs_ext.attempt import Attempt
-from mbs_ext.ring import StreamRing
-from mbs_ext.update import StepResult
+from mbs_ext import model as _model
+from mbs_ext.batchnorm import deferring
+from mbs_ext.finish import StepResult, finish
+from mbs_ext.forward_backward import ForwardBackward
+from mbs_ext.grads import accumulation_dtype, make_sink
+from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.options import StepOptions, make_options
+from mbs_ext.ranks import Ranks
+from mbs_ext.ring import StreamRing, split_sizes
+from mbs_ext.rollback import StepGuard
 
-__all__ = ["MicroBatchStreamer", "StepResult", "step"]
+__all__ = ["MicroBatchStreamer", "StepOptions", "StepResult", "step"]
 
 
 @dataclass
-class _StreamerState:
-    """What a streamer keeps between steps (and ``step`` caches per model)."""
+class _Cache:
+    """What a streamer keeps between steps (and ``step`` keeps per model)."""
 
-    ring: Any = None
-    ring_device: torch.device | None = None
-    plans: dict[tuple, _memory.MicroBatchPlan] = field(default_factory=dict)  # "auto", per signature
+    ring: StreamRing | None = None
+    plans: dict[tuple, planner.MicroBatchPlan] = field(default_factory=dict)  # "auto", per signature
     size_cap: dict[tuple, int] = field(default_factory=dict)  # learned from out-of-memory back-off
 
-    def ring_for(self, device: torch.device) -> Any:
-        if self.ring is None or self.ring_device != device:
+    def ring_for(self, device: torch.device) -> StreamRing:
+        if self.ring is None or self.ring.device != device:
             self.ring = StreamRing(device)
-            self.ring_device = device
         return self.ring
+
+
+@dataclass
+class _Call:
+    """One ``step`` call's checked inputs."""
+
+    params: list[nn.Parameter]
+    batch: Any
+    indices: torch.Tensor | None
+    rows: int
+    device: torch.device
+    ranks: Ranks
+    rule: Rule
+    loss_call: Callable[[nn.Module, Any], torch.Tensor]
+    batchnorms: list = field(default_factory=list)
 
 
 class MicroBatchStreamer:
     """A reusable streamed training step bound to one model, optimizer and loss.
 
-    Options are validated once here; the ring that stages micro-batches is created on
-    first use and kept, so repeated steps reuse its host/device buffers.
-
-    Options (shared with :func:`step`):
-
-    * ``micro_batch_size``: int >= 1, the largest micro-batch (N rows are split into
-      ``ceil(N / m)`` micro-batches whose sizes differ by at most one), or ``"auto"``:
-      the largest size whose step fits ``memory_budget`` bytes, planned from probe
-      micro-batches (:func:`mbs_ext.plan_micro_batch`) and cached per input signature.
-      ``memory_budget`` defaults to what the device can still give on CUDA and is
-      required on CPU.
-    * ``normalize``: ``"samples"`` (weight n_i/N, exact for any split),
-      ``"micro_batches"`` (1/M, wrong when micro-batches differ in size; for comparison)
-      or ``count(micro_batch) -> int | Tensor`` for losses that average over a variable
-      number of items (e.g. tokens). A count returned as a device tensor stays on the
-      device: no host sync per micro-batch.
-    * ``scaler``: a ``torch.amp.GradScaler``; the step is scaled per micro-batch and
-      unscaled, checked, stepped and updated once. Non-finite gradients with a finite
-      loss are treated as scaler overflow: skipped without a warning, whatever
-      ``on_nonfinite`` says.
-    * ``autocast_dtype``: runs forward and loss under ``torch.autocast``.
-    * ``accumulate_dtype``: dtype of separate accumulation buffers; by default float32
-      when any trainable parameter is bf16/fp16, otherwise autograd accumulates in
-      ``.grad`` directly.
-    * ``max_grad_norm``: clip the total norm of the final unscaled gradient.
-    * ``on_nonfinite``: ``"skip"`` leaves parameters, optimizer state and module buffers
-      unchanged (``.grad`` keeps the offending gradient for inspection, a GradScaler
-      still updates once) and warns; ``"raise"`` raises FloatingPointError with nothing
-      changed.
-    * ``ring``: the :class:`~mbs_ext.StreamRing` to stream through (one is made for the
-      model's device otherwise).
+    Options are a :class:`~mbs_ext.StepOptions` (``options=``) and/or its fields as
+    keywords; they are validated once, here. The ring that stages micro-batches is made
+    on first use and kept (or pass your own ``ring=``), so repeated steps reuse its
+    host/device buffers.
 
     The batch may live on the host (pageable or pinned) or already on the model's
-    device; micro-batches on the model's device are views of it.
+    device. Under DistributedDataParallel (also inside ``torch.compile`` or another
+    wrapper exposing ``.module``) the normalization is global (one small all-reduce per
+    step), so the step equals a single-process step on the concatenated batch.
 
-    Under DistributedDataParallel the normalization is global (one small all-reduce
-    per step), so the step equals a single-process step on the concatenated batch.
-
-    Limits: a failure inside ``optimizer.step`` itself is not undone (that would need
-    a copy of the parameters and optimizer state every step); under DDP a failure on
-    one rank leaves the others waiting in their collectives; GradScaler refuses to
-    unscale fp16 parameters' gradients, as it does without streaming.
+    Limits: a failure inside ``optimizer.step`` itself is not undone (that would need a
+    copy of the parameters and optimizer state every step); under DDP a failure on one
+    rank leaves the others waiting in their collectives.
     """
 
     def __init__(
@@ -110,160 +96,168 @@ class MicroBatchStreamer:
         optimizer: torch.optim.Optimizer,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         *,
-        micro_batch_size: int | str,
-        normalize: str | Callable[[Any], int | torch.Tensor] = "samples",
-        scaler: torch.amp.GradScaler | None = None,
-        autocast_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
-        accumulate_dtype: torch.dtype | None = None,
-        on_nonfinite: str = "skip",
-        memory_budget: int | None = None,
+        options: StepOptions | None = None,
         ring: StreamRing | None = None,
+        **overrides: Any,
     ) -> None:
-        _checks.check_model_optimizer(model, optimizer)
-        _checks.check_options(
-            loss_fn, micro_batch_size, normalize, scaler, autocast_dtype, max_grad_norm, accumulate_dtype,
-            on_nonfinite, memory_budget,
-        )
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.micro_batch_size = micro_batch_size
-        self.normalize = normalize
-        self.scaler = scaler
-        self.autocast_dtype = autocast_dtype
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.accumulate_dtype = accumulate_dtype
-        self.on_nonfinite = on_nonfinite
-        self.memory_budget = memory_budget
-        self.state = _StreamerState()
-        if ring is not None:
-            self.state.ring, self.state.ring_device = ring, ring.device
+        _model.check_model_optimizer(model, optimizer)
+        _loss.check_loss_fn(loss_fn)
+        self.options = make_options(options, overrides)
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.cache = _Cache(ring=ring)
 
     @property
-    def _ring(self) -> Any:
-        return self.state.ring
+    def ring(self) -> StreamRing | None:
+        """The ring the steps stream through (None before the first step unless one was given)."""
+        return self.cache.ring
 
-    @_ring.setter
-    def _ring(self, ring: Any) -> None:
-        self.state.ring = ring
-
-    def plans(self) -> dict[tuple, _memory.MicroBatchPlan]:
+    def plans(self) -> dict[tuple, planner.MicroBatchPlan]:
         """The micro-batch plans made for ``"auto"`` so far, by input signature."""
-        return dict(self.state.plans)
-
-    plan = plans  # the name of earlier releases
-
-    def _micro_batch_size(self, batch: Any, indices: torch.Tensor | None, rows: int, loss_call: Callable) -> tuple:
-        """The size to stream with, and the cache key that out-of-memory back-off updates."""
-        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(batch))
-        if self.micro_batch_size != "auto":
-            key = ("fixed", leaves)
-            m = int(self.micro_batch_size)
-        else:
-            # Keyed on the caller's budget, not on a measured free-memory figure that
-            # moves from step to step, so plans and back-off sizes stay remembered.
-            key = ("auto", leaves, self.memory_budget, self.autocast_dtype)
-            plan = self.state.plans.get(key)
-            # A plan is capped by the rows of the batch it was made for; a larger batch
-            # with the same signature may afford a larger micro-batch, so re-plan then.
-            if plan is None or (plan.micro_batch_size >= plan.num_rows and rows > plan.num_rows):
-                device = _checks.model_device(self.model)
-                plan = _memory.plan(
-                    self.model, batch, loss_call, _memory.default_budget(device, self.memory_budget),
-                    num_rows=rows, indices=indices,
-                    accumulate_dtype=_acc.accumulation_dtype(self.accumulate_dtype, _checks.trainable(self.model)),
-                    autocast_dtype=self.autocast_dtype,
-                )
-                self.state.plans[key] = plan
-            m = plan.micro_batch_size
-        m = min(m, self.state.size_cap.get(key, m), rows)
-        return max(1, m), key
+        return dict(self.cache.plans)
 
     def step(self, batch: Any, indices: torch.Tensor | None = None) -> StepResult:
         """One optimizer step over the mini-batch ``batch`` (or its rows at ``indices``).
 
         If a micro-batch runs out of memory (``torch.OutOfMemoryError`` on a device, or a
-        host allocation failure), the step is undone, a few single-micro-batch probes
-        find the largest size that fits, and the step is redone from scratch at that
-        size, which is remembered for later steps.
+        host allocation failure), the step is undone, a few single-micro-batch probes find
+        the largest size that fits, and the step is redone from scratch at that size,
+        which is remembered for later steps.
         """
         t_begin = time.perf_counter()
-        params = _checks.check_model_optimizer(self.model, self.optimizer)
-        rows = _batch.check_batch(batch)
-        if indices is not None:
-            indices = _batch.check_indices(indices, rows)
-            rows = indices.numel()
-        device = _checks.model_device(self.model)
-        _check_batch_device(batch, device)
-        _checks.check_scaler_params(self.scaler, params, device)
-        loss_call = _loss.loss_caller(self.loss_fn, batch)
-        m, key = self._micro_batch_size(batch, indices, rows, loss_call)
-        while True:
-            attempt = Attempt(self, params, batch, indices, rows, m, device, loss_call)
-            try:
-                result = attempt.run()
-                break
-            except BaseException as exc:
-                attempt.rollback(clear_grads=True)
-                # Back off only where a smaller micro-batch helps (out of memory while
-                # streaming: not in the finish, whose casts and norms do not depend on it),
-                # and only while nothing irreversible happened: not once the optimizer
-                # started stepping, and never under DDP (ranks would diverge).
-                streaming = 0 <= attempt.index < attempt.num_mb
-                if not _memory.is_out_of_memory(exc) or m == 1 or attempt.ddp or attempt.stepping or not streaming:
-                    _annotate(exc, attempt, m)
-                    raise
-                _annotate(exc, attempt, m)
-                # Drop the failed attempt's frames (and the tensors they hold) before probing;
-                # keep their text, for the error raised if no smaller size fits.
-                origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
-                exc.__traceback__ = None
-                del attempt
-                _backoff.release_cached_memory(device)
-                smaller = _backoff.largest_fitting(
-                    lambda size: _backoff.fits(self.model, params, batch, indices, size, device, loss_call,
-                                               self.autocast_dtype),
-                    m,
-                )
-                if smaller is None:
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(
-                            "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                            "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
-                            + origin.rstrip()
-                        )
-                    raise exc from None
-                del exc
-                warnings.warn(
-                    f"mbs_ext.step: out of memory at micro_batch_size={m}; "
-                    f"redoing the step with micro_batch_size={smaller}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self.state.size_cap[key] = smaller
-                m = smaller
+        call = self._check(batch, indices)
+        with deferring(self.model) as call.batchnorms:
+            size, key = self._size(call)
+            progress = _Progress()
+
+            def remember(smaller: int) -> None:
+                self.cache.size_cap[key] = smaller
+
+            result = backoff.with_backoff(
+                lambda m: self._attempt(call, m, progress),
+                size,
+                retryable=lambda exc: progress.retryable,
+                fits_at=lambda m: probe.fits(self.model, call.params, call.batch, call.indices, m, call.device,
+                                             call.loss_call, self.options.autocast_dtype),
+                free=lambda: probe.release_cached_memory(call.device),
+                remember=remember,
+            )
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
 
+    def _check(self, batch: Any, indices: Any) -> _Call:
+        """Every check of a call, before anything changes."""
+        _model.check_grad_mode()
+        params = _model.check_model_optimizer(self.model, self.optimizer)
+        device = _model.model_device(self.model)
+        rows, indices = _batch.check(batch, indices, device)
+        _model.check_scaler_params(self.options.scaler, params, device)
+        ranks = Ranks.of(self.model)
+        rule = _loss.rule_for(self.loss_fn, self.options.normalize)
+        loss_call = _loss.loss_caller(self.loss_fn, batch)
+        return _Call(params, batch, indices, rows, device, ranks, rule, loss_call)
 
-def _check_batch_device(batch: Any, device: torch.device) -> None:
-    """Batch tensors live on the host or already on the model's device."""
-    for i, t in enumerate(_batch.tensor_leaves(batch)):
-        if t.device.type != "cpu" and t.device != device:
-            raise ValueError(
-                f"batch tensors must be on the CPU or on the model's device {device}, tensor {i} is on {t.device}"
-            )
+    def _size(self, call: _Call) -> tuple[int, tuple]:
+        """The size to stream with, and the cache key that out-of-memory back-off updates."""
+        opts = self.options
+        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(call.batch))
+        if opts.micro_batch_size != "auto":
+            key: tuple = ("fixed", leaves)
+            m = int(opts.micro_batch_size)
+        else:
+            # Keyed on the caller's budget, not on a measured free-memory figure that
+            # moves from step to step, so plans and back-off sizes stay remembered.
+            key = ("auto", leaves, opts.memory_budget, opts.autocast_dtype)
+            plan = self.cache.plans.get(key)
+            # A plan is capped by the rows of the batch it was made for; a larger batch
+            # with the same signature may afford a larger micro-batch, so re-plan then.
+            if plan is None or (plan.micro_batch_size >= plan.num_rows and call.rows > plan.num_rows):
+                plan = planner.plan(
+                    self.model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
+                    num_rows=call.rows, indices=call.indices,
+                    accumulate_dtype=accumulation_dtype(opts.accumulate_dtype, call.params),
+                    autocast_dtype=opts.autocast_dtype,
+                )
+                self.cache.plans[key] = plan
+            m = plan.micro_batch_size
+        return max(1, min(m, self.cache.size_cap.get(key, m), call.rows)), key
+
+    def _attempt(self, call: _Call, m: int, progress: _Progress) -> StepResult:
+        """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
+        sizes = split_sizes(call.rows, m)
+        opts, device = self.options, call.device
+        guard = StepGuard(self.model, call.params, self.optimizer, opts.scaler, device, call.batchnorms)
+        progress.begin(guard, call.ranks)
+        sink = None
+        try:
+            guard.begin()  # old gradients go before new buffers are allocated
+            sink = make_sink(call.params, device, opts.accumulate_dtype)
+            normalizer = Normalizer(call.rule, rows=call.rows, num_micro_batches=len(sizes), device=device,
+                                    ranks=call.ranks)
+            progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, call.ranks, device,
+                                          len(sizes))
+            ring = self.cache.ring_for(device)
+            # A CPU model reads row ranges of the host batch in place: nothing to stage.
+            progress.fb.run(ring.stream(call.batch, m, indices=call.indices, copy=device.type != "cpu"))
+            t_finish = time.perf_counter()
+            done = finish(call.params, sink, normalizer, progress.fb.losses, opts, self.optimizer, guard, device)
+        except BaseException as exc:
+            guard.rollback(clear_grads=True)
+            if sink is not None:
+                sink.release()
+            _add_note(exc, progress.where(call, m, exc))
+            raise
+        stats = ring.stats()  # totals of this step's stream
+        timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
+        timings.update(compute_s=progress.fb.compute_s, step_s=time.perf_counter() - t_finish)
+        return StepResult(
+            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.rows,
+            skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
+        )
 
 
-def _annotate(exc: BaseException, attempt: Attempt, m: int) -> None:
+class _Progress:
+    """How far the latest attempt got: what back-off and error notes need to know."""
+
+    def __init__(self) -> None:
+        self.fb: ForwardBackward | None = None
+        self.guard: StepGuard | None = None
+        self.ranks: Ranks | None = None
+
+    def begin(self, guard: StepGuard, ranks: Ranks) -> None:
+        self.fb, self.guard, self.ranks = None, guard, ranks
+
+    @property
+    def streaming(self) -> bool:
+        return self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
+
+    @property
+    def retryable(self) -> bool:
+        """Back off only where a smaller micro-batch helps (out of memory while streaming, not in
+        the finish), only while nothing irreversible happened, and never under DDP (ranks would
+        pick different sizes)."""
+        return self.streaming and not self.guard.stepping and self.ranks.ddp is None
+
+    def where(self, call: _Call, m: int, exc: BaseException) -> str:
+        fb = self.fb
+        if fb is None or fb.index < 0:
+            text = "mbs_ext.step: failed before the first micro-batch"
+        elif fb.index >= fb.num_mb:
+            text = f"mbs_ext.step: failed after all {fb.num_mb} micro-batches, while finishing the step"
+        else:
+            of = "indices" if call.indices is not None else "the mini-batch"
+            text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
+                    f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
+        if self.ranks is not None and self.ranks.ddp is not None and m > 1 and probe.is_out_of_memory(exc):
+            text += "\nmbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)"
+        return text
+
+
+def _add_note(exc: BaseException, text: str) -> None:
     if hasattr(exc, "add_note"):
-        exc.add_note(attempt.where())
-        if _memory.is_out_of_memory(exc) and attempt.ddp and m > 1:
-            exc.add_note("mbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)")
+        exc.add_note(text)
 
 
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def step(
@@ -272,29 +266,20 @@ def step(
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     *,
-    micro_batch_size: int | str,
-    normalize: str | Callable[[Any], int | torch.Tensor] = "samples",
     indices: torch.Tensor | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    max_grad_norm: float | None = None,
-    accumulate_dtype: torch.dtype | None = None,
-    on_nonfinite: str = "skip",
-    memory_budget: int | None = None,
+    options: StepOptions | None = None,
+    **overrides: Any,
 ) -> StepResult:
-    """One optimizer step over ``batch``, streamed in micro-batches; see :class:`MicroBatchStreamer`.
+    """One optimizer step over ``batch``, streamed in micro-batches; see :class:`MicroBatchStreamer`
+    and :class:`StepOptions` (pass ``options=`` and/or its fields as keywords).
 
     The ring, the "auto" plans and sizes learned from out-of-memory back-off are cached
     per model, so calling ``step`` in a loop reuses them.
     """
-    streamer = MicroBatchStreamer(
-        model, optimizer, loss_fn, micro_batch_size=micro_batch_size, normalize=normalize, scaler=scaler,
-        autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm, accumulate_dtype=accumulate_dtype,
-        on_nonfinite=on_nonfinite, memory_budget=memory_budget,
-    )
-    state = _STATES.get(model)
-    if state is not None:
-        streamer.state = state
+    streamer = MicroBatchStreamer(model, optimizer, loss_fn, options=options, **overrides)
+    cache = _CACHES.get(model)
+    if cache is None:
+        _CACHES[model] = streamer.cache
     else:
-        _STATES[model] = streamer.state
+        streamer.cache = cache
     return streamer.step(batch, indices=indices)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import mbs_ext
-from mbs_ext.memory import measure_saved_bytes
+from mbs_ext.diagnostics import measure_saved_bytes
 
 
 def mlp() -> nn.Module:
@@ -71,7 +71,10 @@ def test_auto_honours_budget(name, budget_kib):
     assert chosen <= budget
     if m < 200:  # the largest that fits: one more sample's worth would not
         plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=budget)
-        assert plan.estimate(m + 1) > budget
+        # The step streams balanced micro-batches no larger than the planned bound.
+        k = -(-200 // plan.micro_batch_size)
+        assert m == -(-200 // k)
+        assert plan.estimate(plan.micro_batch_size + 1) > budget
 
 
 def test_auto_is_exact_and_planning_leaves_no_trace():
@@ -105,11 +108,11 @@ def test_auto_plan_is_cached_per_signature():
     streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size="auto", memory_budget=300_000)
     streamer.step(data((32,)))
     streamer.step(data((32,), seed=2))
-    assert len(streamer.plan()) == 1
+    assert len(streamer.plans()) == 1
     other = (torch.randn(50, 32).double(), torch.randint(0, 5, (50,)))
     model.double()
     streamer.step(other)
-    assert len(streamer.plan()) == 2
+    assert len(streamer.plans()) == 2
 
 
 def test_auto_needs_budget_on_cpu():
@@ -225,7 +228,7 @@ def test_back_off_that_finds_nothing_says_where_the_error_was_raised():
     batch = (torch.randn(8, 32, dtype=torch.float64), torch.randint(0, 5, (8,)))
     with pytest.raises(RuntimeError) as info:
         mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, ce, micro_batch_size=4)
-    assert mbs_ext.memory.is_out_of_memory(info.value)
+    assert mbs_ext.diagnostics.is_out_of_memory(info.value)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "not even 1 row" in notes
     assert "in forward" in notes and "torch.empty(2**62" in notes
@@ -254,12 +257,12 @@ def test_auto_counts_float32_buffers_of_low_precision_parameters():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size="auto", memory_budget=400_000)
     streamer.step(batch)
-    (plan,) = streamer.plan().values()
+    (plan,) = streamer.plans().values()
     assert plan.fixed_bytes >= numel * 2 + numel * 4  # bf16 grads + float32 buffers
 
 
 def test_is_out_of_memory():
-    from mbs_ext.memory import is_out_of_memory
+    from mbs_ext.diagnostics import is_out_of_memory
 
     assert is_out_of_memory(MemoryError())
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
@@ -272,7 +275,7 @@ def test_is_out_of_memory():
 
 
 def test_peak_tracker_counts_live_storages_once():
-    from mbs_ext.memory import PeakTracker
+    from mbs_ext.diagnostics import PeakTracker
 
     with PeakTracker() as t:
         a = torch.empty(1000)  # 4000 bytes
@@ -318,26 +321,28 @@ def wide_mlp() -> nn.Module:
 def test_auto_peak_is_within_budget_and_uses_it(make, shape, budget):
     """The measured peak of a whole "auto" step (CPU, live bytes at the dispatcher) lands in
     0.85-1.0 x the budget, with no out-of-memory back-off."""
-    from mbs_ext.memory import PeakTracker
+    from mbs_ext.diagnostics import PeakTracker
 
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = data(shape, n=400)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a back-off would warn
-        first = mbs_ext.step(model, opt, batch, ce, micro_batch_size="auto", memory_budget=budget)
-        m = first.micro_batch_size
+        streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size="auto", memory_budget=budget)
+        streamer.step(batch)
+        (plan,) = streamer.plans().values()
+        m = plan.micro_batch_size
         # The plan is cached per signature; a batch of exactly 3m rows streams micro-batches of m
         # (400 rows would be split evenly into smaller ones).
         again = data(shape, n=3 * m, seed=2)
         with PeakTracker() as tracker:
-            second = mbs_ext.step(model, opt, again, ce, micro_batch_size="auto", memory_budget=budget)
+            second = streamer.step(again)
     assert m == second.micro_batch_size < 400 and second.num_micro_batches == 3
     assert 0.85 * budget <= tracker.peak <= budget, (second.micro_batch_size, tracker.peak / budget)
 
 
 def test_cuda_room_honours_the_process_cap():
-    from mbs_ext.memory import cuda_room
+    from mbs_ext.diagnostics import cuda_room
 
     gib = 1 << 30
     # An 80 GiB device capped at 4 GiB with 1 GiB of live tensors: 3 GiB, not the free 70.

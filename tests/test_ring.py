@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import mbs_ext
 from mbs_ext import StreamRing
-from mbs_ext._native import _C
+from mbs_ext.diagnostics import native as _C
 from mbs_ext.apps._process import os_threads
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
@@ -127,15 +127,6 @@ def test_split_sizes_balanced():
             assert max(sizes) <= m and max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="micro_batch_size"):
         split_sizes(5, 0)
-
-
-def test_split_sizes_agrees_with_batch_module():
-    import mbs_ext.batch as batch_mod
-    from mbs_ext.ring import split_sizes
-
-    for n in range(1, 60):
-        for m in range(1, n + 2):
-            assert batch_mod.split_sizes(n, m) == split_sizes(n, m)
 
 
 @pytest.mark.parametrize("n", [1, 7, 33])
@@ -754,10 +745,3 @@ def test_staging_threads_are_the_rings_own():
     del ring
     gc.collect()
     assert os_threads() == alive - 2
-
-
-def test_call_is_deprecated():
-    ring = StreamRing("cpu")
-    with pytest.warns(DeprecationWarning, match="stream"):
-        out = list(ring(torch.arange(5), 2))
-    assert torch.equal(torch.cat(out), torch.arange(5))

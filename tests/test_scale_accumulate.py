@@ -372,12 +372,12 @@ def test_cuda_tensor_longer_than_one_piece():
 def test_accumulation_buffer_views_are_16_byte_aligned(device):
     """Odd-sized parameters do not push later views off the 16-byte vector path; the padding
     between views stays zero; the planner counts the padded buffer."""
-    from mbs_ext import accumulate, memory
+    from mbs_ext import grads, planner
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
     model = model.to(device, torch.bfloat16)
     params = list(model.parameters())
-    bufs = accumulate.GradBuffers(params, torch.float32)
+    bufs = grads.GradBuffers(params, torch.float32)
     assert all(v.data_ptr() % 16 == 0 for v in bufs.views)
     gen = torch.Generator().manual_seed(5)
     expected = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
@@ -395,7 +395,7 @@ def test_accumulation_buffer_views_are_16_byte_aligned(device):
         written[offset : offset + v.numel()] = True
     assert flat.numel() > sum(p.numel() for p in params)  # there is padding to check
     assert torch.count_nonzero(flat[~written]) == 0
-    assert memory._gradient_bytes(model, torch.float32)[1] == flat.numel() * flat.element_size()
+    assert planner._gradient_bytes(model, torch.float32)[1] == flat.numel() * flat.element_size()
 
 
 @pytest.mark.cuda

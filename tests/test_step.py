@@ -183,13 +183,24 @@ def test_count_callable_returning_int_in_float32(device):
     assert_models_match(model, ref, 1e-5)
 
 
-@pytest.mark.parametrize("bad", [-1, 2.5, float("nan"), torch.tensor(1.5), "3"])
-def test_bad_counts_raise_and_change_nothing(bad, device):
+@pytest.mark.parametrize(
+    ("bad", "exc", "match"),
+    [
+        (-1, ValueError, "non-negative finite number.* returned -1"),
+        (float("nan"), ValueError, "non-negative finite number.* returned nan"),
+        (float("inf"), ValueError, "non-negative finite number.* returned inf"),
+        (torch.tensor(-1.5), ValueError, "non-negative finite number"),
+        ("3", TypeError, "non-negative finite number.*returned str '3'"),
+        ([3], TypeError, "returned list"),
+    ],
+    ids=["negative", "nan", "inf", "negative_tensor", "str", "list"],
+)
+def test_bad_counts_raise_and_change_nothing(bad, exc, match, device):
     model, opt, _, _ = lm_models(device=device)
     before = snapshot(model, opt)
     # A tensor count lives where the micro-batch does: on CUDA it is checked on the device.
     value = bad.to(device) if isinstance(bad, torch.Tensor) else bad
-    with pytest.raises(ValueError, match="count"):
+    with pytest.raises(exc, match=match):
         mbs_ext.step(model, opt, lm_batch(8), lm_loss, micro_batch_size=3, normalize=lambda b: value)
     assert_bit_identical(snapshot(model, opt), before)
     assert all(p.grad is None for p in model.parameters())
@@ -207,7 +218,7 @@ def test_bad_device_count_names_its_micro_batch(device):
         bad = len(seen) in (3, 4)  # micro-batches 2 and 3 of 4
         return torch.tensor(-2.0 if bad else float(token_count(b)), device=device)
 
-    with pytest.raises(ValueError, match=r"non-negative integer.*at micro-batch 2 of 4 \(rows \[6, 8\)"):
+    with pytest.raises(ValueError, match=r"non-negative finite number.*at micro-batch 2 of 4 \(rows \[6, 8\)"):
         mbs_ext.step(model, opt, lm_batch(10), lm_loss, micro_batch_size=3, normalize=count)
     assert len(seen) == 4
     assert_bit_identical(snapshot(model, opt), before)
@@ -361,7 +372,7 @@ def test_streamer_reuses_its_ring_over_several_steps(device):
     for k in range(3):
         batch = pair(8 + k, seed=k)
         streamer.step(batch)
-        rings.append(streamer._ring)
+        rings.append(streamer.ring)
         full_batch_step(ref, ropt, batch, mse)
     assert rings[0] is rings[1] is rings[2]
     assert_models_match(model, ref, 1e-12)
@@ -579,20 +590,35 @@ def test_atomic_on_error_at_every_micro_batch(fail_at, exc_type, deferred_bn, de
     assert_states_match(snapshot(model, opt, scaler), snapshot(f_model, f_opt, f_scaler), rerun_tol(device))
 
 
-class FailingRing:
-    """Wraps a ring and fails while staging micro-batch ``fail_at``."""
+class FailingRing(mbs_ext.StreamRing):
+    """A ring that fails while staging micro-batch ``fail_at``."""
 
+    def __init__(self, device, fail_at):
+        super().__init__(device)
+        self.fail_at = fail_at
+
+    def stream(self, batch, m, *, indices=None, copy=True):
+        return _FailingIterator(super().stream(batch, m, indices=indices, copy=copy), self.fail_at)
+
+
+class _FailingIterator:
     def __init__(self, inner, fail_at):
         self.inner, self.fail_at = inner, fail_at
 
-    def stream(self, batch, m, *, indices=None, copy=True):
-        for j, mb in enumerate(self.inner.stream(batch, m, indices=indices, copy=copy)):
-            if j == self.fail_at:
-                raise OSError("staging failed")
-            yield mb
+    def __iter__(self):
+        return self
 
-    def stats(self):
-        return self.inner.stats()
+    def __next__(self):
+        if self.inner.index + 1 == self.fail_at:
+            raise OSError("staging failed")
+        return next(self.inner)
+
+    @property
+    def rows(self):
+        return self.inner.rows
+
+    def close(self):
+        self.inner.close()
 
 
 def test_atomic_on_ring_error(device):
@@ -601,9 +627,9 @@ def test_atomic_on_ring_error(device):
     streamer = mbs_ext.MicroBatchStreamer(model, opt, mse, micro_batch_size=2)
     streamer.step(pair(6))
     before = snapshot(model, opt)
-    streamer._ring = FailingRing(streamer._ring, 2)
+    failing = mbs_ext.MicroBatchStreamer(model, opt, mse, micro_batch_size=2, ring=FailingRing(device, 2))
     with pytest.raises(OSError) as info:
-        streamer.step(pair(9))
+        failing.step(pair(9))
     assert any("micro-batch 2 of 5" in n for n in info.value.__notes__)
     assert_bit_identical(snapshot(model, opt), before)
 

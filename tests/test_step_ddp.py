@@ -104,7 +104,7 @@ def _agreement(rank, device, out_dir):
 
         def count(b, fault=fault):
             rows = torch.tensor(float(len(b[0])), dtype=torch.float64, device=device)
-            return rows - 0.5 if fault == "count" and rank == 0 else rows
+            return -rows if fault == "count" and rank == 0 else rows
 
         outcome = {}
         try:
@@ -228,7 +228,7 @@ def test_ddp_fault_on_one_rank_stops_every_rank(ddp_results, name):
             error = outcome.get("error", "")
             # Rank 0 (6 rows, 2 micro-batches) names its own bad micro-batch; rank 1 points at it.
             where = "at micro-batch 0 of 2 (rows [0, 3)" if rank == 0 else "on another DDP rank"
-            assert "non-negative integer" in error and where in error, (rank, outcome)
+            assert "non-negative finite number" in error and where in error, (rank, outcome)
         assert outcome["unchanged"], (rank, outcome)
 
 

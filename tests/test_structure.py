@@ -71,7 +71,8 @@ def test_core_does_not_import_apps_or_step_from_planner():
     for module, deps in graph.items():
         if ".apps" not in module and module not in ("mbs_ext", "mbs_ext.__main__"):
             assert not any(".apps" in d for d in deps), f"{module} imports the apps: {deps}"
-    assert "mbs_ext.step" not in graph["mbs_ext.memory"]
+    for planning in ("mbs_ext.planner", "mbs_ext.probe", "mbs_ext.backoff"):
+        assert "mbs_ext.step" not in graph[planning], planning
 
 
 def test_every_module_imports_alone():
@@ -89,3 +90,46 @@ def test_every_module_imports_alone():
     # for the process, so executing them twice would test torch, not the import graph.
     proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=PACKAGE.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+ROOT = PACKAGE.parent
+# Unit tests of one component import that component; everything else outside the core
+# goes through the public API (``mbs_ext``) and ``mbs_ext.diagnostics``.
+COMPONENT_TESTS = {
+    "tests/test_components.py": {"mbs_ext.normalize", "mbs_ext.ring", "mbs_ext.batch", "mbs_ext.finish",
+                                 "mbs_ext.backoff", "mbs_ext.options", "mbs_ext.loss", "mbs_ext.rollback",
+                                 "mbs_ext.ranks"},
+    "tests/test_batchnorm.py": {"mbs_ext.batchnorm"},
+    "tests/test_scale_accumulate.py": {"mbs_ext.grads", "mbs_ext.planner"},
+}
+
+
+def _outside_imports(path: Path) -> set[str]:
+    """Every ``mbs_ext`` module or private name ``path`` imports (``from mbs_ext import _x`` counts)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "mbs_ext"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mbs_ext":
+            found.add(node.module)
+            if node.module == "mbs_ext":
+                found |= {f"mbs_ext.{a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"}
+    return found
+
+
+@pytest.mark.parametrize("where", ["mbs_ext/apps", "bench", "tests"])
+def test_public_line(where):
+    import mbs_ext
+
+    public = {"mbs_ext", "mbs_ext.diagnostics"}
+    assert set(mbs_ext.__all__) >= {"step", "MicroBatchStreamer", "StepOptions", "StreamRing"}
+    for path in sorted((ROOT / where).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        allowed = public | COMPONENT_TESTS.get(rel, set())
+        for name in _outside_imports(path):
+            if name.startswith("mbs_ext.apps."):
+                # The apps' own modules: private ones only from inside the apps.
+                ok = where == "mbs_ext/apps" or not name.rsplit(".", 1)[1].startswith("_")
+            else:
+                ok = name in allowed
+            assert ok, f"{rel} imports {name}: use mbs_ext's public API or mbs_ext.diagnostics"

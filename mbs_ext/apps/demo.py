@@ -19,7 +19,7 @@ from torch import nn
 
 import mbs_ext
 from mbs_ext.apps.data import accuracy, load_digits, small_cnn
-from mbs_ext.memory import measure_saved_bytes
+from mbs_ext.diagnostics import measure_saved_bytes
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -120,7 +120,7 @@ def _child(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mbs_ext.memory import is_out_of_memory
+    from mbs_ext.diagnostics import is_out_of_memory
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

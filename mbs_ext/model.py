@@ -1,85 +1,15 @@
-"""Every user-facing argument check of the step, in one place, with the messages users see.
+"""What the step trains: the model's trainable parameters, its device, and the checks on them.
 
-Checks run once, at the edge (``MicroBatchStreamer`` / ``step`` / ``plan_micro_batch``);
-the modules behind them trust their inputs.
+Every check here runs before a step changes anything, so a refused call leaves the
+model, the optimizer and the scaler as they were.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
 from torch import nn
-
-from mbs_ext import normalize as _norm
-
-ON_NONFINITE = ("skip", "raise")
-
-
-def check_micro_batch_size(micro_batch_size: Any) -> None:
-    """An int >= 1, or the string ``"auto"``."""
-    if isinstance(micro_batch_size, str):
-        if micro_batch_size != "auto":
-            raise ValueError(f"micro_batch_size must be an int >= 1 or 'auto', got {micro_batch_size!r}")
-        return
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral):
-        kind = type(micro_batch_size).__name__
-        raise TypeError(f"micro_batch_size must be an int >= 1 or 'auto', got {kind}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size}")
-
-
-def check_dtype(value: Any, name: str) -> None:
-    """None or a floating ``torch.dtype``."""
-    if value is None:
-        return
-    if not isinstance(value, torch.dtype):
-        raise TypeError(f"{name} must be a floating torch.dtype or None, got {type(value).__name__}")
-    if not value.is_floating_point:
-        raise ValueError(f"{name} must be a floating dtype, got {value}")
-
-
-def check_memory_budget(memory_budget: Any) -> None:
-    """None or a positive, finite number of bytes."""
-    if memory_budget is None:
-        return
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-        raise TypeError(f"memory_budget must be a number of bytes (int), got {type(memory_budget).__name__}")
-    if not math.isfinite(memory_budget) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-
-
-def check_options(
-    loss_fn: Any,
-    micro_batch_size: Any,
-    normalize: Any,
-    scaler: Any,
-    autocast_dtype: Any,
-    max_grad_norm: Any,
-    accumulate_dtype: Any,
-    on_nonfinite: Any,
-    memory_budget: Any,
-) -> None:
-    """The options shared by :class:`~mbs_ext.MicroBatchStreamer` and :func:`~mbs_ext.step`."""
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
-    check_micro_batch_size(micro_batch_size)
-    _norm.check_normalize(normalize)
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-    check_dtype(autocast_dtype, "autocast_dtype")
-    check_dtype(accumulate_dtype, "accumulate_dtype")
-    if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
-            kind = type(max_grad_norm).__name__
-            raise TypeError(f"max_grad_norm must be a positive number or None, got {kind}")
-        if math.isnan(max_grad_norm) or max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-    if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-    check_memory_budget(memory_budget)
 
 
 def check_model(model: Any) -> None:
@@ -110,6 +40,15 @@ def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
     if not any(id(p) in owned for p in params):
         raise ValueError("optimizer owns none of the model's trainable parameters")
     return params
+
+
+def check_grad_mode() -> None:
+    """A step computes gradients: refuse a caller's ``torch.no_grad()`` / ``inference_mode()``."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "mbs_ext.step was called with gradients disabled (inside torch.no_grad() or "
+            "torch.inference_mode()); call it outside that block"
+        )
 
 
 def model_device(model: nn.Module) -> torch.device:

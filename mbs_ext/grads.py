@@ -1,4 +1,4 @@
-"""Where gradients add up: in ``.grad`` through autograd, or in float32 buffers.
+"""Where gradients add up (the step's gradient sink): in ``.grad`` through autograd, or in float32 buffers.
 
 Autograd accumulates into ``.grad`` by itself when the parameters' dtype is precise
 enough; the weight of a micro-batch is then folded into its loss. For bf16/fp16
@@ -67,7 +67,7 @@ class GradBuffers:
             offsets, length = buffer_layout([params[j].numel() for j in js], dtype.itemsize)
             flat = torch.zeros(length, dtype=dtype, device=dev)
             for j, offset in zip(js, offsets):
-                self.views[j] = flat.narrow(0, offset, params[j].numel()).view_as(params[j])
+                self.views[j] = _view_like(flat, offset, params[j])
             self.flats.append(flat)
             self.found_inf.append(torch.zeros((), dtype=torch.float32, device=dev))
 
@@ -114,7 +114,30 @@ class GradBuffers:
             for flat in self.flats:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for j, p in enumerate(self.params):
-            p.grad = self.views[j].to(p.dtype) if got_any[j] else None
+            if got_any[j]:
+                # A gradient of its own (never a view that would keep the whole buffer
+                # alive between steps), laid out like its parameter.
+                grad = torch.empty_like(p, memory_format=torch.preserve_format)
+                grad.copy_(self.views[j])
+                p.grad = grad
+            else:
+                p.grad = None
+        self.release()
+
+    def release(self) -> None:
+        """Drop the buffers (after :meth:`finish`, or when a step fails)."""
+        self.views = [None] * len(self.params)  # type: ignore[list-item]
+        self.flats = []
+
+
+def _view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """A view of ``p.numel()`` elements of ``flat`` from ``offset``, with ``p``'s strides when ``p``
+    is dense (channels_last included), so each micro-batch's gradient (which autograd lays
+    out like its parameter) meets an accumulator of the same layout."""
+    n = p.numel()
+    if p.is_contiguous() or not p.is_non_overlapping_and_dense():
+        return flat.narrow(0, offset, n).view(p.shape)
+    return flat.as_strided(p.shape, p.stride(), offset)
 
 
 def rescale_grads(params: list[nn.Parameter], factor: float | torch.Tensor) -> None:
@@ -154,3 +177,78 @@ def overflow_on_cast(params: list[nn.Parameter], device: torch.device) -> torch.
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     return nonfinite_flag(grads, device)
+
+
+class AutogradSink:
+    """Gradients add up in ``.grad`` through autograd; a micro-batch's weight rides on its loss."""
+
+    buffered = False
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
+        self.params = params
+        self.device = device
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
+        loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def rescale(self, factor: float | torch.Tensor) -> None:
+        rescale_grads(self.params, factor)
+
+    def finish(self, normalizer: Any) -> None:
+        """Nothing left: the total was settled before the last backward (see the pass)."""
+
+    def nonfinite(self, clipping: bool) -> torch.Tensor:
+        if clipping:  # the norm computed for clipping covers it
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)
+
+    def release(self) -> None:
+        pass
+
+
+class BufferSink:
+    """Gradients add up in float buffers (:class:`GradBuffers`), cast into ``.grad`` once at the end."""
+
+    buffered = True
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+        self.params = params
+        self.device = device
+        self.bufs = GradBuffers(params, dtype)
+        self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        self.bufs.add_(weight)
+
+    def rescale(self, factor: float | torch.Tensor) -> None:
+        self.bufs.mul_(factor)
+
+    def finish(self, normalizer: Any) -> None:
+        """Global totals (with this rank's non-finite flag and which parameters got a gradient
+        riding along in the same collective), then the sums rescaled, reduced and cast into ``.grad``."""
+        got_any = self.bufs.got
+        reduced = normalizer.settle(extra=[self.bufs.nonfinite(self.device)], host_tail=[float(g) for g in got_any])
+        if reduced is not None:
+            # The summed buffers carry every rank's inf/NaN, so every rank must skip alike.
+            self.found = (reduced[0] > 0).to(torch.float32)
+            if not all(got_any):
+                # Which .grad exist must be known on the host (a host sync, only when this
+                # rank's micro-batches left some parameter without a gradient).
+                got_any = [v > 0 for v in reduced[1:].tolist()]
+        # Summed over ranks, not averaged: no world-size factor.
+        self.bufs.finish(normalizer.rescale_factor(per_rank=False), got_any, normalizer.ranks.group)
+
+    def nonfinite(self, clipping: bool) -> torch.Tensor:
+        found = self.found if self.found is not None else self.bufs.nonfinite(self.device)
+        return torch.maximum(found, overflow_on_cast(self.params, self.device))
+
+    def release(self) -> None:
+        self.bufs.release()
+
+
+def make_sink(params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None):
+    """The sink for ``params``: float buffers when :func:`accumulation_dtype` asks for them."""
+    dtype = accumulation_dtype(requested, params)
+    return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype)

@@ -8,6 +8,8 @@ makes a redone step draw exactly the random numbers the first attempt drew.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -68,3 +70,54 @@ class ScalerSnapshot:
             scaler._growth_tracker = self.tensors[1].clone()
         else:
             scaler.load_state_dict(self.state)
+
+
+class StepGuard:
+    """Everything a step changes before the optimizer steps, and the way back.
+
+    Taken before the first micro-batch: module buffers, RNG streams, the GradScaler's
+    state; the deferred BatchNorm layers keep their pending statistics until
+    :meth:`commit_statistics`. ``unscaled``/``updated`` record what the finish did to
+    the scaler, so that a rollback undoes exactly that.
+    """
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, device: torch.device, batchnorms: list) -> None:
+        self.params, self.optimizer, self.scaler, self.batchnorms = params, optimizer, scaler, batchnorms
+        self.snapshot = Snapshot(model, device)
+        self.scaler_state = ScalerSnapshot(scaler) if scaler is not None else None
+        self.unscaled = False
+        self.updated = False
+        self.stepping = False  # the optimizer step began: nothing can be undone after this
+
+    def begin(self) -> None:
+        for layer in self.batchnorms:
+            layer.begin_mini_batch()
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def commit_statistics(self) -> None:
+        for layer in self.batchnorms:
+            layer.commit()
+
+    @torch.no_grad()
+    def rollback(self, clear_grads: bool = True, restore_scaler: bool = True, restore_rng: bool = True) -> None:
+        """Undo every change made before the optimizer step; the RNG too when the step may be
+        redone or retried (a redo draws the same numbers), not for a skipped step, after which
+        training goes on as after any step (the next one draws new random numbers)."""
+        for layer in self.batchnorms:
+            layer.discard()
+        self.snapshot.restore_buffers()
+        if restore_rng:
+            self.snapshot.restore_rng()
+        if clear_grads:
+            self.clear_grads()
+        if restore_scaler and self.scaler_state is not None:
+            if self.unscaled and not self.updated:
+                with contextlib.suppress(Exception):
+                    self.scaler.update()  # drops the per-optimizer unscale record
+            self.scaler_state.restore()

@@ -9,28 +9,25 @@ accumulation buffers are added by count; the size that suggests is then measured
 and shrunk until it fits. Probes restore RNG state, module buffers and ``.grad``, so
 planning never changes what the training step computes. ``default_budget`` and
 ``cuda_room`` know the device's real limit (the per-process memory fraction included).
+The probes themselves live in :mod:`~mbs_ext.probe`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from mbs_ext import _checks
-from mbs_ext import accumulate as _acc
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
-from mbs_ext.snapshot import Snapshot
+from mbs_ext.grads import accumulation_dtype, buffer_layout
+from mbs_ext.model import check_model, model_device, trainable
+from mbs_ext.options import check_memory_budget
+from mbs_ext.probe import is_out_of_memory, measure_peak, measure_saved_bytes, probe_batch, probing, row_bytes
 
 CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by default
 
@@ -58,16 +55,6 @@ class MicroBatchPlan:
     _saved_intercept: int = 0
 
 
-_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
-
-
 def cuda_room(*, total: int, fraction: float, allocated: int, reserved: int, free: int) -> int:
     """Bytes this process can still allocate on a CUDA device.
 
@@ -87,7 +74,7 @@ def default_budget(device: torch.device, memory_budget: int | None) -> int:
     The planner measures the real peak, so the margin only covers what it cannot see:
     allocator rounding and fragmentation, and cuBLAS/cuDNN workspaces created later.
     """
-    _checks.check_memory_budget(memory_budget)
+    check_memory_budget(memory_budget)
     if memory_budget is not None:
         return int(memory_budget)
     if device.type == "cuda":
@@ -103,155 +90,6 @@ def default_budget(device: torch.device, memory_budget: int | None) -> int:
         f"micro_batch_size='auto' on {device.type} needs memory_budget (bytes available to the step); "
         "only CUDA devices report their free memory"
     )
-
-
-@contextlib.contextmanager
-def _probing(model: nn.Module, device: torch.device):
-    """Restore RNG streams and module buffers after probe forwards (no trace left)."""
-    snap = Snapshot(model, device)
-    try:
-        yield
-    finally:
-        snap.restore()
-
-
-def measure_saved_bytes(
-    model: nn.Module,
-    micro_batch: Any,
-    call: Callable[[nn.Module, Any], torch.Tensor],
-    autocast_dtype: torch.dtype | None = None,
-) -> int:
-    """Bytes of distinct storages autograd saves for backward in one forward + loss.
-
-    Parameters, buffers and the micro-batch's own tensors are not counted: they are
-    resident anyway (the inputs are counted separately, per ring slot).
-    """
-    resident = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    resident |= {t.untyped_storage().data_ptr() for t in _batch.tensor_leaves(micro_batch)}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in resident and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-        return t
-
-    device = _checks.model_device(model)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _loss.autocast(device, autocast_dtype):
-        loss = call(model, micro_batch)
-    del loss
-    return total
-
-
-def _probe_batch(batch: Any, rows: int, indices: torch.Tensor | None, device: torch.device) -> Any:
-    picked = torch.arange(rows) if indices is None else indices[:rows]
-    return _batch.to_device(_batch.take(batch, picked), device)
-
-
-def _row_bytes(batch: Any) -> int:
-    return sum(t[:1].numel() * t.element_size() for t in _batch.tensor_leaves(batch))
-
-
-class PeakTracker(TorchDispatchMode):
-    """Live bytes of the tensors created under it, and their peak (a CPU allocator's view).
-
-    Every op output whose storage is new (not shared with an input: not a view, not in
-    place) is counted until the last tensor holding that storage dies. On CUDA the
-    caching allocator's own statistics are used instead (:func:`measure_peak`).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, list[int]] = {}  # storage pointer -> [tensors alive, bytes]
-
-    def _release(self, key: int) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
-
-    def _hold(self, t: torch.Tensor, key: int) -> None:
-        self._refs[key][0] += 1
-        weakref.finalize(t, self._release, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            x.untyped_storage().data_ptr()
-            for x in tree_flatten((args, kwargs))[0]
-            if isinstance(x, torch.Tensor) and x.layout == torch.strided
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0:
-                continue
-            if key in self._refs:
-                self._hold(t, key)
-            elif key not in inputs:
-                self._refs[key] = [0, t.untyped_storage().nbytes()]
-                self.live += self._refs[key][1]
-                self.peak = max(self.peak, self.live)
-                self._hold(t, key)
-        return out
-
-
-def measure_peak(
-    model: nn.Module,
-    micro_batch: Any,
-    call: Callable[[nn.Module, Any], torch.Tensor],
-    autocast_dtype: torch.dtype | None = None,
-    accumulating: bool = False,
-) -> int:
-    """Peak bytes that one micro-batch's forward, loss and backward add to what is resident.
-
-    Includes the activations saved for backward and every transient of the backward
-    pass (activation gradients, weight-gradient temporaries, workspaces on CUDA). With
-    ``accumulating``, ``.grad`` already holds earlier micro-batches' sum (as from the
-    second micro-batch of a step on): each new gradient is then a temporary added into
-    it, and the resident sum itself is not counted; otherwise the probe starts without
-    ``.grad`` and the gradients count. The micro-batch's own tensors are resident
-    already and not counted.
-
-    A DDP model is probed through its wrapped module: DDP's forward and backward run
-    collectives, and ranks plan on their own data, so they may probe different numbers
-    of times; a collective that only some ranks enter would hang or mismatch.
-    """
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    device = _checks.model_device(model)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p) if accumulating and p.requires_grad else None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        with _loss.autocast(device, autocast_dtype):
-            loss = call(model, micro_batch)
-        loss.float().backward()
-        del loss
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        with PeakTracker() as tracker:
-            with _loss.autocast(device, autocast_dtype):
-                loss = call(model, micro_batch)
-            loss.float().backward()
-            del loss
-        peak = tracker.peak
-    for p in model.parameters():
-        p.grad = None
-    return int(peak)
 
 
 def _fit(small: int, large: int, at_small: int, at_large: int) -> tuple[int, int]:
@@ -284,15 +122,15 @@ def plan(
     from "all gradients allocated" to "activations and their gradients at once"), so the
     size it suggests is then measured itself and shrunk in proportion until it fits.
     """
-    device = _checks.model_device(model)
-    input_row = _row_bytes(batch)
+    device = model_device(model)
+    input_row = row_bytes(batch)
     staged_row = input_row * (slots + 1) if _stages(batch, indices, device) else 0
     grad_bytes, acc_bytes = _gradient_bytes(model, accumulate_dtype)
     grads = {p: p.grad for p in model.parameters()}
     try:
-        with _probing(model, device):
+        with probing(model, device):
             small, large = min(4, num_rows), min(16, num_rows)
-            mbs = {n: _probe_batch(batch, n, indices, device) for n in sorted({small, large})}
+            mbs = {n: probe_batch(batch, n, indices, device) for n in sorted({small, large})}
             saved = {n: measure_saved_bytes(model, mb, call, autocast_dtype) for n, mb in mbs.items()}
             accumulating = accumulate_dtype is None  # autograd adds into .grad
             # Warm-up: what the first forward/backward of a process creates once and keeps
@@ -348,7 +186,7 @@ def _gradient_bytes(model: nn.Module, accumulate_dtype: torch.dtype | None) -> t
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     acc_bytes = 0
     if accumulate_dtype is not None:  # one flat buffer with a view per trainable parameter
-        _, length = _acc.buffer_layout([p.numel() for p in trainable], accumulate_dtype.itemsize)
+        _, length = buffer_layout([p.numel() for p in trainable], accumulate_dtype.itemsize)
         acc_bytes = length * accumulate_dtype.itemsize
     return grad_bytes, acc_bytes
 
@@ -360,7 +198,7 @@ def _verify(model, batch, indices, device, call, how: tuple, size: int, probed: 
         if size <= probed:
             return size
         try:
-            peak = measure_peak(model, _probe_batch(batch, size, indices, device), call, *how)
+            peak = measure_peak(model, probe_batch(batch, size, indices, device), call, *how)
         except BaseException as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -390,15 +228,12 @@ def plan_micro_batch(
     the plan counts). On CUDA the budget defaults to the room the device and the process's
     memory fraction leave, times a safety factor; on CPU it is required.
     """
-    _checks.check_model(model)
-    _checks.trainable(model)  # raises when nothing is trainable
+    check_model(model)
+    params = trainable(model)  # raises when nothing is trainable
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    rows = _batch.check_batch(batch)
-    if indices is not None:
-        indices = _batch.check_indices(indices, rows)
-        rows = int(indices.numel())
-    device = _checks.model_device(model)
+    device = model_device(model)
+    rows, indices = _batch.check(batch, indices, device)
     budget = default_budget(device, memory_budget)
     return plan(
         model,
@@ -408,6 +243,6 @@ def plan_micro_batch(
         num_rows=rows,
         indices=indices,
         slots=slots,
-        accumulate_dtype=_acc.accumulation_dtype(accumulate_dtype, _checks.trainable(model)),
+        accumulate_dtype=accumulation_dtype(accumulate_dtype, params),
         autocast_dtype=autocast_dtype,
     )

@@ -1,0 +1,165 @@
+"""Finishing a step: the one host sync, the non-finite check, then skip or step.
+
+Everything the decision needs (the mini-batch loss, the total count, whether a count
+or a gradient went bad, the gradient norm, where a loss first went non-finite) is
+computed on the device first and read back in one copy: the only host
+synchronization of a step, whatever the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mbs_ext.grads import AutogradSink, BufferSink
+from mbs_ext.normalize import Normalizer
+from mbs_ext.options import StepOptions
+from mbs_ext.rollback import StepGuard
+
+
+@dataclass
+class StepResult:
+    """What one streamed step did.
+
+    ``loss`` is the full mini-batch loss (the global one under DDP); ``grad_norm`` is
+    the total norm of the unscaled gradient before clipping, or None when not clipping;
+    ``micro_batch_size`` is the largest micro-batch actually streamed. ``timings`` are
+    host wall-clock seconds: ``stage_s`` and ``wait_s`` from the ring, ``compute_s``
+    the micro-batches' forward/backward launches, ``step_s`` the finish and the
+    optimizer step, ``total_s`` the whole call (out-of-memory back-off included).
+    """
+
+    loss: float
+    num_micro_batches: int
+    micro_batch_size: int
+    num_samples: int
+    skipped: bool = False
+    grad_norm: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finished:
+    loss: float
+    skipped: bool
+    grad_norm: float | None
+
+
+def finish(
+    params: list[nn.Parameter],
+    sink: AutogradSink | BufferSink,
+    normalizer: Normalizer,
+    losses: list[tuple[int, torch.Tensor]],
+    options: StepOptions,
+    optimizer: torch.optim.Optimizer,
+    guard: StepGuard,
+    device: torch.device,
+) -> Finished:
+    """Read, decide, and step (or roll back a skipped step); ``losses`` are the micro-batches'
+    (index, loss) for naming the first non-finite one."""
+    scaler = options.scaler
+    if scaler is not None:
+        guard.unscaled = True
+        scaler.unscale_(optimizer)
+    norm = None
+    found = sink.nonfinite(options.clipping)
+    if options.clipping:
+        grads = [p.grad for p in params if p.grad is not None]
+        # Norm now, clip only once the step is known to go ahead: a skipped step leaves
+        # the offending gradient in .grad for inspection.
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+        found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
+    values = [*normalizer.device_values(), found, _first_nonfinite(losses, device)]
+    if norm is not None:
+        values.append(norm.detach())
+    read = _read(values, device)
+    loss = normalizer.check(read[0], read[1], read[2])
+    grad_norm = read[5] if norm is not None else None
+    skipped = _should_skip(loss, read[3] != 0, int(read[4]), normalizer, options)
+    if skipped:
+        if scaler is not None:
+            scaler.update()  # backs off when the gradients overflowed
+            guard.updated = True
+        guard.rollback(clear_grads=False, restore_scaler=False, restore_rng=False)
+    else:
+        guard.commit_statistics()
+        guard.stepping = True
+        _apply(params, optimizer, options, norm)
+        guard.updated = scaler is not None
+    return Finished(loss, skipped, grad_norm)
+
+
+def _first_nonfinite(losses: list[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor | float:
+    """1 + the index of the first micro-batch whose loss is not finite (0: none), on the device."""
+    if not losses:
+        return 0.0
+    stacked = torch.stack([loss.to(device, torch.float64).reshape(()) for _, loss in losses])
+    marks = torch.tensor([i + 1 for i, _ in losses], dtype=torch.float64).to(device)
+    bad = torch.where(torch.isfinite(stacked), torch.full_like(marks, math.inf), marks)
+    first = bad.min()
+    return torch.where(torch.isinf(first), torch.zeros_like(first), first)
+
+
+def _read(values: list, device: torch.device) -> list[float]:
+    """Host numbers of ``values`` with one device-to-host copy for all the device tensors."""
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    read = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
+    if on_device:
+        stacked = torch.stack([values[i].detach().to(device, torch.float64).reshape(()) for i in on_device])
+        for i, v in zip(on_device, stacked.tolist()):
+            read[i] = v
+    return read
+
+
+def _should_skip(loss: float, grads_bad: bool, nonfinite_at: int, normalizer: Normalizer,
+                 options: StepOptions) -> bool:
+    """Whether to skip the optimizer step; raises or warns as ``on_nonfinite`` says.
+
+    Non-finite gradients with a finite loss under a GradScaler are scaler overflow: a
+    normal event that skips silently, as ``GradScaler.step`` does.
+    """
+    if not grads_bad and math.isfinite(loss):
+        return False
+    if options.scaler is not None and math.isfinite(loss):
+        return True
+    if not math.isfinite(loss):
+        where = f" at {normalizer.describe(nonfinite_at - 1)}" if nonfinite_at > 0 else " on another DDP rank"
+        msg = f"non-finite loss{where} (loss={loss})"
+    else:
+        msg = f"non-finite gradient (loss={loss})"
+    if options.on_nonfinite == "raise":
+        raise FloatingPointError(f"mbs_ext.step: {msg}; nothing was changed")
+    warnings.warn(f"mbs_ext.step: {msg}; the optimizer step was skipped", RuntimeWarning,
+                  stacklevel=caller_stacklevel())
+    return True
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside mbs_ext."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _apply(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, options: StepOptions,
+           norm: torch.Tensor | None) -> None:
+    """Clip (with the norm already computed) and take the optimizer / scaler step."""
+    if norm is not None:
+        with_grad = [p for p in params if p.grad is not None]
+        if with_grad:
+            torch.nn.utils.clip_grads_with_norm_(with_grad, options.max_grad_norm, norm)
+    if options.scaler is not None:
+        options.scaler.step(optimizer)
+        options.scaler.update()
+    else:
+        optimizer.step()

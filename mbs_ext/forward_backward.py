@@ -1,0 +1,105 @@
+"""The pass: forward, loss and backward of every micro-batch the ring hands out.
+
+It is handed everything it uses (the loss call, the options, a :class:`Normalizer`,
+a gradient sink, the ranks) and knows nothing else: no optimizer, no rollback, no
+ring internals. It records how far it got (``index``, ``rows``) so that the step can
+say where an error happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mbs_ext import loss as _loss
+from mbs_ext.grads import LOW_PRECISION, AutogradSink, BufferSink
+from mbs_ext.normalize import Normalizer
+from mbs_ext.options import StepOptions
+from mbs_ext.ranks import Ranks
+
+
+class ForwardBackward:
+    """Streams ``num_micro_batches`` micro-batches through ``model``; gradients go to ``sink``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_call: Callable[[nn.Module, Any], torch.Tensor],
+        options: StepOptions,
+        normalizer: Normalizer,
+        sink: AutogradSink | BufferSink,
+        ranks: Ranks,
+        device: torch.device,
+        num_micro_batches: int,
+    ) -> None:
+        self.model, self.loss_call, self.options = model, loss_call, options
+        self.normalizer, self.sink, self.ranks, self.device = normalizer, sink, ranks, device
+        self.num_mb = num_micro_batches
+        self.index = -1  # micro-batch in progress; num_mb once all have streamed
+        self.rows = (0, 0)
+        self.compute_s = 0.0
+        self.losses: list[tuple[int, torch.Tensor]] = []  # (index, detached loss), for the finish
+
+    def run(self, micro_batches: Iterator[Any]) -> None:
+        """Consume ``micro_batches`` (a ring iterator: ``rows`` is each one's ``(start, stop)``)."""
+        try:
+            for i in range(self.num_mb):
+                self.index = i
+                mb = next(micro_batches, _END)
+                if mb is _END:
+                    raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
+                self.rows = tuple(micro_batches.rows)
+                t0 = time.perf_counter()
+                self._micro_batch(mb, last=i == self.num_mb - 1)
+                self.compute_s += time.perf_counter() - t0
+            self.index = self.num_mb
+            if next(micro_batches, _END) is not _END:
+                raise RuntimeError(f"the ring yielded more than the expected {self.num_mb} micro-batches")
+        finally:
+            close = getattr(micro_batches, "close", None)
+            if close is not None and self.index < self.num_mb:
+                close()
+        self.sink.finish(self.normalizer)
+
+    def _micro_batch(self, mb: Any, last: bool) -> None:
+        norm, sink = self.normalizer, self.sink
+        c = norm.count(mb, self.rows)
+        # Unbuffered, the last backward needs its exact weight (under DDP it is the one
+        # that all-reduces): settle the total now and rescale what came before.
+        settle_now = last and not sink.buffered
+        syncing = settle_now and self.ranks.ddp is not None
+        if not isinstance(c, torch.Tensor) and c == 0 and not syncing:
+            if settle_now:
+                self._settle()
+            return  # zero items: nothing to learn, skip the forward
+        with self.ranks.no_sync(syncing):
+            with _loss.autocast(self.device, self.options.autocast_dtype):
+                loss = self.loss_call(self.model, mb)
+            _loss.check_loss(loss, self.device)
+            if loss.dtype in LOW_PRECISION:
+                loss = loss.float()
+            norm.add_loss(loss.detach(), c)
+            self.losses.append((self.index, loss.detach()))
+            if settle_now:
+                self._settle()
+                weight = norm.final_weight(c)
+            else:
+                weight = norm.weight(c)
+            if not isinstance(c, torch.Tensor) and c == 0:
+                # Zero items on the syncing backward: DDP still needs it; zero gradients reach
+                # every parameter.
+                torch.autograd.backward([p.reshape(-1)[:1].sum() * 0.0 for p in sink.params])
+                return
+            sink.backward(loss, weight, self.options.scaler)
+
+    def _settle(self) -> None:
+        self.normalizer.settle()
+        if self.index > 0:
+            self.sink.rescale(self.normalizer.rescale_factor(per_rank=True))
+
+
+_END = object()

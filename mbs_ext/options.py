@@ -1,0 +1,144 @@
+"""The step's options: one frozen dataclass, validated once, shared by ``step`` and ``MicroBatchStreamer``.
+
+Both entry points build a :class:`StepOptions` from their keyword arguments (or take one
+and apply keyword overrides with :meth:`StepOptions.replace`), so the list of options,
+their defaults and their checks exist here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ON_NONFINITE = ("skip", "raise")
+NORMALIZE_RULES = ("samples", "micro_batches", "sum")
+
+Normalize = str | Callable[[Any], "float | torch.Tensor"] | None
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a streamed step runs; every field is checked when the object is made.
+
+    * ``micro_batch_size``: int >= 1, the largest micro-batch (N rows are split into
+      ``ceil(N / m)`` micro-batches whose sizes differ by at most one), or ``"auto"``:
+      the largest size whose step fits ``memory_budget`` bytes, planned from probe
+      micro-batches and cached per input signature. ``memory_budget`` defaults to what
+      the device can still give on CUDA and is required on CPU.
+    * ``normalize``: how micro-batch losses combine into the mini-batch loss.
+      ``None`` (default): read from a ``torch.nn`` loss module (its reduction, class
+      weights and ignored targets), else ``"samples"``. ``"samples"``: each loss is a
+      mean over its rows (weight n_i/N). ``"sum"``: each loss is a sum (weight 1).
+      ``"micro_batches"``: weight 1/M (the papers' rule, wrong for unequal sizes; for
+      comparison). A callable ``count(micro_batch)`` returns the number (or total
+      weight: any non-negative finite float) of items the micro-batch's loss averages
+      over, e.g. its tokens; a device tensor stays on the device (no host sync).
+    * ``scaler``: a ``torch.amp.GradScaler``; the loss is scaled per micro-batch and the
+      gradient unscaled, checked, stepped and updated once.
+    * ``autocast_dtype``: forward and loss run under ``torch.autocast`` in this dtype.
+    * ``accumulate_dtype``: dtype of separate accumulation buffers; by default float32
+      when any trainable parameter is bf16/fp16, otherwise autograd adds into ``.grad``.
+    * ``max_grad_norm``: clip the total norm of the final unscaled gradient.
+    * ``on_nonfinite``: ``"skip"`` (warn, change nothing but a GradScaler's scale) or
+      ``"raise"`` (FloatingPointError, nothing changed).
+    * ``memory_budget``: bytes the step may use, for ``micro_batch_size="auto"``.
+    """
+
+    micro_batch_size: int | str
+    normalize: Normalize = None
+    scaler: torch.amp.GradScaler | None = None
+    autocast_dtype: torch.dtype | None = None
+    max_grad_norm: float | None = None
+    accumulate_dtype: torch.dtype | None = None
+    on_nonfinite: str = "skip"
+    memory_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_micro_batch_size(self.micro_batch_size)
+        check_normalize(self.normalize)
+        if self.scaler is not None and not isinstance(self.scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(self.scaler).__name__}")
+        _check_dtype(self.autocast_dtype, "autocast_dtype")
+        _check_dtype(self.accumulate_dtype, "accumulate_dtype")
+        if self.max_grad_norm is not None:
+            object.__setattr__(self, "max_grad_norm", _check_max_grad_norm(self.max_grad_norm))
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
+        check_memory_budget(self.memory_budget)
+
+    def replace(self, **overrides: Any) -> StepOptions:
+        """A copy with ``overrides`` applied (and checked)."""
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    @property
+    def clipping(self) -> bool:
+        return self.max_grad_norm is not None
+
+
+def make_options(options: StepOptions | None, overrides: dict[str, Any]) -> StepOptions:
+    """``options`` with keyword ``overrides``, or options built from the keywords alone."""
+    if options is None:
+        if "micro_batch_size" not in overrides:
+            raise TypeError("micro_batch_size is required (an int >= 1 or 'auto'), or pass options=StepOptions(...)")
+        return StepOptions(**overrides)
+    if not isinstance(options, StepOptions):
+        raise TypeError(f"options must be a mbs_ext.StepOptions, got {type(options).__name__}")
+    return options.replace(**overrides)
+
+
+def check_normalize(normalize: Any) -> None:
+    """None, a known rule name, or a callable."""
+    if normalize is None or (callable(normalize) and not isinstance(normalize, str)):
+        return
+    if isinstance(normalize, str):
+        if normalize not in NORMALIZE_RULES:
+            raise ValueError(f"normalize must be one of {NORMALIZE_RULES}, None or a callable, got {normalize!r}")
+        return
+    raise TypeError(
+        f"normalize must be one of {NORMALIZE_RULES}, None or a callable count(micro_batch), "
+        f"got {type(normalize).__name__}"
+    )
+
+
+def check_memory_budget(memory_budget: Any) -> None:
+    """None or a positive, finite number of bytes."""
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise TypeError(f"memory_budget must be a number of bytes (int), got {type(memory_budget).__name__}")
+    if not math.isfinite(memory_budget) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+
+
+def _check_micro_batch_size(micro_batch_size: Any) -> None:
+    if isinstance(micro_batch_size, str):
+        if micro_batch_size != "auto":
+            raise ValueError(f"micro_batch_size must be an int >= 1 or 'auto', got {micro_batch_size!r}")
+        return
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral):
+        raise TypeError(f"micro_batch_size must be an int >= 1 or 'auto', got {type(micro_batch_size).__name__}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size}")
+
+
+def _check_dtype(value: Any, name: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a floating torch.dtype or None, got {type(value).__name__}")
+    if not value.is_floating_point:
+        raise ValueError(f"{name} must be a floating dtype, got {value}")
+
+
+def _check_max_grad_norm(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"max_grad_norm must be a positive number or None, got {type(value).__name__}")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {value}")
+    return float(value)

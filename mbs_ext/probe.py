@@ -1,0 +1,222 @@
+"""Measuring one micro-batch: its peak memory, what autograd saves, whether it fits at all.
+
+The planner (:mod:`~mbs_ext.planner`) and the out-of-memory back-off
+(:mod:`~mbs_ext.backoff`) both reason from these probes. A probe runs forward, loss and
+backward of a few rows taken from the batch and leaves no trace: RNG streams, module
+buffers, deferred BatchNorm statistics and ``.grad`` are as before.
+
+Peaks: on CUDA the caching allocator's own statistics (workspaces included); on the
+CPU a dispatch-level tracker of live tensor storages (:class:`PeakTracker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mbs_ext import batch as _batch
+from mbs_ext import loss as _loss
+from mbs_ext.batchnorm import deferred_layers
+from mbs_ext.model import model_device
+from mbs_ext.ranks import unwrap
+from mbs_ext.rollback import Snapshot
+
+_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
+
+
+
+@contextlib.contextmanager
+def probing(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore RNG streams and module buffers after probe forwards (no trace left)."""
+    snap = Snapshot(model, device)
+    try:
+        yield
+    finally:
+        snap.restore()
+
+def measure_saved_bytes(
+    model: nn.Module,
+    micro_batch: Any,
+    call: Callable[[nn.Module, Any], torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
+) -> int:
+    """Bytes of distinct storages autograd saves for backward in one forward + loss.
+
+    Parameters, buffers and the micro-batch's own tensors are not counted: they are
+    resident anyway (the inputs are counted separately, per ring slot).
+    """
+    resident = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    resident |= {t.untyped_storage().data_ptr() for t in _batch.tensor_leaves(micro_batch)}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key and key not in resident and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+        return t
+
+    device = model_device(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _loss.autocast(device, autocast_dtype):
+        loss = call(model, micro_batch)
+    del loss
+    return total
+
+
+def probe_batch(batch: Any, rows: int, indices: torch.Tensor | None, device: torch.device) -> Any:
+    """The first ``rows`` rows of ``batch`` (or of its ``indices``), gathered onto ``device``."""
+    picked = torch.arange(rows) if indices is None else indices[:rows]
+    return _batch.to_device(_batch.take(batch, picked), device)
+
+
+def row_bytes(batch: Any) -> int:
+    """Bytes of one row of every tensor leaf."""
+    return sum(t[:1].numel() * t.element_size() for t in _batch.tensor_leaves(batch))
+
+
+
+class PeakTracker(TorchDispatchMode):
+    """Live bytes of the tensors created under it, and their peak (a CPU allocator's view).
+
+    Every op output whose storage is new (not shared with an input: not a view, not in
+    place) is counted until the last tensor holding that storage dies. On CUDA the
+    caching allocator's own statistics are used instead (:func:`measure_peak`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [tensors alive, bytes]
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def _hold(self, t: torch.Tensor, key: int) -> None:
+        self._refs[key][0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            x.untyped_storage().data_ptr()
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            if key in self._refs:
+                self._hold(t, key)
+            elif key not in inputs:
+                self._refs[key] = [0, t.untyped_storage().nbytes()]
+                self.live += self._refs[key][1]
+                self.peak = max(self.peak, self.live)
+                self._hold(t, key)
+        return out
+
+
+def measure_peak(
+    model: nn.Module,
+    micro_batch: Any,
+    call: Callable[[nn.Module, Any], torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
+    accumulating: bool = False,
+) -> int:
+    """Peak bytes that one micro-batch's forward, loss and backward add to what is resident.
+
+    Includes the activations saved for backward and every transient of the backward
+    pass (activation gradients, weight-gradient temporaries, workspaces on CUDA). With
+    ``accumulating``, ``.grad`` already holds earlier micro-batches' sum (as from the
+    second micro-batch of a step on): each new gradient is then a temporary added into
+    it, and the resident sum itself is not counted; otherwise the probe starts without
+    ``.grad`` and the gradients count. The micro-batch's own tensors are resident
+    already and not counted.
+
+    A DDP model is probed through its wrapped module: DDP's forward and backward run
+    collectives, and ranks plan on their own data, so they may probe different numbers
+    of times; a collective that only some ranks enter would hang or mismatch.
+    """
+    model = unwrap(model)
+    device = model_device(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if accumulating and p.requires_grad else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with _loss.autocast(device, autocast_dtype):
+            loss = call(model, micro_batch)
+        loss.float().backward()
+        del loss
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with PeakTracker() as tracker:
+            with _loss.autocast(device, autocast_dtype):
+                loss = call(model, micro_batch)
+            loss.float().backward()
+            del loss
+        peak = tracker.peak
+    for p in model.parameters():
+        p.grad = None
+    return int(peak)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Free what a failed attempt left: unreachable tensors and the allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fits(model: nn.Module, params: list[nn.Parameter], batch: Any, indices: torch.Tensor | None, size: int,
+         device: torch.device, loss_call: Callable, autocast_dtype: torch.dtype | None) -> bool:
+    """Whether one micro-batch of ``size`` rows runs forward and backward; leaves no trace."""
+    snap = Snapshot(model, device)
+    layers = deferred_layers(model)
+    for layer in layers:
+        layer.begin_mini_batch()
+    try:
+        with _loss.autocast(device, autocast_dtype):
+            loss = loss_call(model, probe_batch(batch, size, indices, device))
+        loss.float().backward()
+        return True
+    except BaseException as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return False
+    finally:
+        for layer in layers:
+            layer.discard()
+        for p in params:
+            p.grad = None
+        snap.restore()
+        release_cached_memory(device)
