@@ -135,7 +135,8 @@ def _view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor
     is dense (channels_last included), so each micro-batch's gradient (which autograd lays
     out like its parameter) meets an accumulator of the same layout."""
     n = p.numel()
-    if p.is_contiguous() or not p.is_non_overlapping_and_dense():
+    # empty_like keeps the strides of a dense, non-overlapping tensor (and only of such one).
+    if p.is_contiguous() or torch.empty_like(p, device="meta").stride() != p.stride():
         return flat.narrow(0, offset, n).view(p.shape)
     return flat.as_strided(p.shape, p.stride(), offset)
 

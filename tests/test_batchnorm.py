@@ -179,3 +179,61 @@ def test_cumulative_average_in_bf16_keeps_counting(device):
     assert torch.allclose(layer.running_mean.double().cpu(), expected, rtol=2e-2, atol=2e-2), (
         layer.running_mean, expected,
     )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plain_batchnorm_is_deferred_by_default(case, device):
+    """Without convert_batchnorm a step still commits running statistics once per mini-batch,
+    exactly as the converted layer does, and the layer keeps its own class."""
+    make, shape = CASES[case]
+    torch.manual_seed(0)
+    plain = BNFirst(make(momentum=0.1), 3).double()
+    converted = mbs_ext.convert_batchnorm(copy.deepcopy(plain))
+    ref_bn = copy.deepcopy(plain.bn)
+    plain.to(device)
+    converted.to(device)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, converted)]
+    g = torch.Generator().manual_seed(1)
+    for n, m in [(8, 3), (10, 4)]:
+        x = torch.randn(n, *shape, generator=g, dtype=torch.float64) * 3 + 1
+        for model, opt in zip((plain, converted), opts):
+            mbs_ext.step(model, opt, x, loss_fn, micro_batch_size=m)
+        ref_bn(x)
+    assert type(plain.bn) is type(ref_bn)  # still a plain nn.BatchNorm after the steps
+    assert plain.bn.num_batches_tracked.item() == 2  # once per mini-batch, not per micro-batch
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        a, b = getattr(plain.bn, name), getattr(converted.bn, name)
+        assert torch.equal(a, b), name
+        assert rel_err(a, getattr(ref_bn, name)) < 1e-12, name
+    # Outside a step it is an ordinary BatchNorm again: one forward, one update.
+    plain.bn(torch.randn(4, *shape, dtype=torch.float64, device=device))
+    assert plain.bn.num_batches_tracked.item() == 3
+
+
+def test_batchnorm_class_restored_when_a_step_fails():
+    model = BNFirst(nn.BatchNorm1d(3), 3).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def failing(m, x):
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), failing, micro_batch_size=2)
+    assert type(model.bn) is nn.BatchNorm1d
+    assert not hasattr(model.bn, "_pending")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_sync_batchnorm_in_training_is_refused_before_anything_changes():
+    model = BNFirst(nn.SyncBatchNorm(3), 3).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"SyncBatchNorm in training mode \(bn\).*nn.BatchNorm"):
+        mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), loss_fn, micro_batch_size=2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    model.bn.eval()  # in eval mode it only reads its statistics: allowed
+    mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), loss_fn, micro_batch_size=2)

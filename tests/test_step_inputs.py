@@ -1,0 +1,187 @@
+"""The usual mistakes get errors that name the fix, raised before anything changes;
+gradients come out shaped like their parameters and holding only their own bytes;
+weighted (float) counts are exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bit_identical, assert_models_match, full_batch_step, snapshot
+from torch import nn
+
+import mbs_ext
+
+
+def classifier(device="cpu", bn=True):
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)] if bn else [nn.Linear(5, 3)]
+    return nn.Sequential(*layers).double().to(device)
+
+
+def data(n=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def ce(model, b):
+    return F.cross_entropy(model(b[0]), b[1])
+
+
+def refused(model, opt, call, exc, match):
+    """``call()`` raises ``exc`` matching ``match`` and changes nothing."""
+    before = snapshot(model, opt)
+    with pytest.raises(exc, match=match):
+        call()
+    assert_bit_identical(snapshot(model, opt), before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_pair_function_as_loss_fn_names_the_fix(device):
+    model = classifier(device)
+    opt = torch.optim.Adam(model.parameters())
+    opt.step()  # optimizer state exists, so "unchanged" covers it
+    refused(model, opt, lambda: mbs_ext.step(model, opt, data(), F.cross_entropy, micro_batch_size=3),
+            TypeError, r"torch.nn.functional.cross_entropy.*\(prediction, target\).*nn.CrossEntropyLoss\(\)")
+
+
+def test_step_under_no_grad_names_the_fix(device):
+    model = classifier(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        refused(model, opt, lambda: mbs_ext.step(model, opt, data(), ce, micro_batch_size=3),
+                RuntimeError, r"gradients disabled.*torch.no_grad\(\).*outside")
+    with torch.inference_mode():
+        refused(model, opt, lambda: mbs_ext.step(model, opt, data(), ce, micro_batch_size=3),
+                RuntimeError, "inference_mode")
+
+
+def test_data_loader_as_batch_names_the_fix(device):
+    model = classifier(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=4)
+    refused(model, opt, lambda: mbs_ext.step(model, opt, loader, ce, micro_batch_size=3),
+            TypeError, r"batch is a DataLoader.*iterate over it")
+    refused(model, opt, lambda: mbs_ext.step(model, opt, iter(loader), ce, micro_batch_size=3),
+            TypeError, "batch is a _SingleProcessDataLoaderIter")
+
+
+def test_reduction_none_is_refused(device):
+    model = classifier(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = nn.CrossEntropyLoss(reduction="none")
+    refused(model, opt, lambda: mbs_ext.step(model, opt, data(), loss, micro_batch_size=3),
+            ValueError, r"reduction='none'.*use reduction='mean' or 'sum'")
+
+
+def test_normalize_contradicting_the_loss_is_refused(device):
+    model = classifier(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    refused(model, opt, lambda: mbs_ext.step(model, opt, data(), loss, micro_batch_size=3, normalize="samples"),
+            ValueError, "leave normalize unset")
+
+
+def test_nonfinite_loss_warning_points_at_the_caller_and_names_the_micro_batch(device):
+    model = classifier(device, bn=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data(10)
+    x[7, 0] = float("nan")  # rows [7, 10) form micro-batch 2 of 3 at size 4 (sizes 4, 3, 3)
+    before = snapshot(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        result = mbs_ext.step(model, opt, (x, y), ce, micro_batch_size=4)
+    (w,) = [c for c in caught if "non-finite" in str(c.message)]
+    assert w.filename == __file__ and w.lineno == line, (w.filename, w.lineno)
+    assert "non-finite loss at micro-batch 2 of 3 (rows [7, 10))" in str(w.message)
+    assert result.skipped
+    assert_bit_identical(snapshot(model, opt), before)
+
+
+def test_result_reports_the_micro_batch_size_used(device):
+    model = classifier(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = mbs_ext.step(model, opt, data(10), ce, micro_batch_size=4)
+    assert (result.micro_batch_size, result.num_micro_batches) == (4, 3)
+    result = mbs_ext.step(model, opt, data(9), ce, micro_batch_size=4)
+    assert (result.micro_batch_size, result.num_micro_batches) == (3, 3)  # 9 rows: 3 + 3 + 3
+
+
+# --- weighted counts ------------------------------------------------------------------------------
+
+
+def weighted_batch(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * 2  # a non-negative weight per row
+    return x, y, w
+
+
+def weighted_mse(model, b):
+    x, y, w = b
+    return ((model(x) - y).pow(2).mean(1) * w).sum() / w.sum()
+
+
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "float"])
+@pytest.mark.parametrize("m", [4, 7])
+def test_weighted_float_counts_are_exact(m, as_tensor, device):
+    model = classifier(device, bn=False)
+    ref = copy.deepcopy(model).cpu()
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    batch = weighted_batch(23)
+
+    def weight(b):
+        return b[2].sum() if as_tensor else float(b[2].sum())
+
+    r = mbs_ext.step(model, opt, batch, weighted_mse, micro_batch_size=m, normalize=weight)
+    loss, _ = full_batch_step(ref, ropt, batch, weighted_mse)
+    assert abs(r.loss - loss) <= 1e-10 * abs(loss)
+    assert_models_match(model, ref, 1e-10)
+
+
+# --- gradients shaped like their parameters ---------------------------------------------------------
+
+
+def test_bf16_channels_last_grads_have_their_parameters_strides():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 3, 8, 8))
+    model = model.to(torch.bfloat16).to(memory_format=torch.channels_last)
+    conv = model[0].weight
+    assert not conv.is_contiguous() and conv.is_contiguous(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(10, 3, 8, 8).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    y = torch.randn(10, 2).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    mbs_ext.step(model, opt, (x, y), nn.MSELoss(), micro_batch_size=4)
+    for p, b in zip(model.parameters(), before):
+        assert p.grad.stride() == p.stride(), (p.shape, p.stride(), p.grad.stride())
+        assert p.grad.dtype == p.dtype
+        assert not torch.equal(p, b)  # the fused AdamW stepped
+
+
+def test_every_grad_owns_only_its_own_bytes():
+    """Mixed dtypes: fp32 parameters' gradients are not views into the whole float32 buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+
+    def loss_fn(m, b):
+        h = m[0](b[0])
+        h = m[1](h.float()).to(torch.bfloat16)
+        return (m[2](h).float() - b[1]).pow(2).mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(12, 16).bfloat16(), torch.randn(12, 4))
+    mbs_ext.step(model, opt, batch, loss_fn, micro_batch_size=5)
+    for name, p in model.named_parameters():
+        g = p.grad
+        assert g.untyped_storage().nbytes() == g.numel() * g.element_size(), name
