@@ -1,16 +1,19 @@
 """The main job: train a CNN on real digits with a mini-batch larger than the memory budget.
 
 The same model (same initial weights, same batches) is trained twice: streamed with
-``mbs_ext.step`` at the micro-batch size "auto" picks for the budget, and with plain
-full-batch steps. The model has no BatchNorm, so the two loss curves must coincide;
-the demo prints how far apart they ended, the overhead, and the memory each needed.
+``mbs_ext.MicroBatchStreamer`` (at the micro-batch size "auto" plans for ``--budget-mb``,
+or at a fixed ``--micro-batch``), and with plain full-batch steps. The model has no
+BatchNorm, so the two loss curves must coincide; the demo prints how far apart they
+ended, the overhead, and the memory each needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
@@ -21,34 +24,102 @@ import mbs_ext
 from mbs_ext.apps.data import accuracy, load_digits, small_cnn
 from mbs_ext.diagnostics import measure_saved_bytes
 
+PROG = "python -m mbs_ext demo"  # cli.PROG's demo
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mbs-ext demo", description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=256, help="mini-batch size (rows per optimizer step)")
-    p.add_argument("--budget-mb", type=float, default=4.0, help="memory budget for activations + inputs, MiB")
-    p.add_argument("--micro-batch", default="auto", help="'auto' (plan from the budget) or an int")
-    p.add_argument("--lr", type=float, default=2e-3)
+
+# argparse types: an invalid value becomes "PROG: error: argument --OPTION: MESSAGE" after the
+# usage line, exit status 2. (The table has the same helpers; cli.py cannot hold them for both,
+# as it imports the apps.)
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0 (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed scikit-learn takes, 0 .. 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text!r}")
+    return value
+
+
+def _missing(packages: dict[str, str]) -> list[str]:
+    """The pip names of the ``{import name: pip name}`` packages that cannot be imported.
+
+    Looked up without importing (``importlib.util.find_spec``); a package blocked with
+    ``sys.modules[name] = None`` counts as missing, as an import would.
+    """
+    return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
+
+
+def _micro_batch(text: str) -> int | str:
+    """An argparse type: ``auto`` or an integer >= 1."""
+    if text == "auto":
+        return text
+    try:
+        return _int_at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--epochs", type=_int_at_least(1), default=12, help="epochs to train")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=256, help="mini-batch size: rows per optimizer step")
+    p.add_argument(
+        "--budget-mb", type=_positive, default=4.0,
+        help="memory budget in MiB for activations + inputs; what --micro-batch auto plans for",
+    )
+    p.add_argument(
+        "--micro-batch", type=_micro_batch, default="auto",
+        help="'auto' (the largest size the planner fits in --budget-mb) or a fixed size >= 1",
+    )
+    p.add_argument("--lr", type=_positive, default=2e-3, help="Adam learning rate")
     p.add_argument("--device", default="auto", help="'auto' (a GPU when there is one), 'cpu' or 'cuda[:i]'")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "float64"],
         help="parameter and data dtype; float64 makes the MBS/full-batch comparison exact on any machine",
     )
     p.add_argument("--out", default="mbs_demo", help="output directory for the PNG and a JSON summary")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="seed for the weights, the split and the order")
     p.add_argument("--no-baseline", action="store_true", help="skip the full-batch comparison run")
+    return p
+
+
+def _args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.budget_mb <= 0:
-        p.error("--epochs and --batch-size must be >= 1 and --budget-mb > 0")
-    if args.micro_batch != "auto":
-        try:
-            args.micro_batch = int(args.micro_batch)
-        except ValueError:
-            p.error(f"--micro-batch must be 'auto' or an int, got {args.micro_batch!r}")
     try:
         args.device = _device(args.device)
     except ValueError as exc:
-        p.error(f"--device: {exc}")
+        p.error(f"argument --device: {exc}")
     return args
 
 
@@ -73,11 +144,16 @@ def _epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _args(argv)
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        raise SystemExit("the demo needs tqdm, scikit-learn and matplotlib: pip install 'mbs_ext[demo]'") from None
+    parser = _parser()
+    args = _args(parser, argv)
+    missing = _missing({"tqdm": "tqdm", "sklearn": "scikit-learn", "matplotlib": "matplotlib"})
+    if missing:
+        raise SystemExit(
+            f"{PROG} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+            f"pip install 'mbs_ext[demo]' (or: pip install {' '.join(missing)})"
+        )
+    from tqdm import tqdm
+
     device = args.device
     dtype = getattr(torch, args.dtype)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
@@ -85,9 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     dataset = (x_train, y_train)
     budget = int(args.budget_mb * 2**20)
     loss_fn = nn.CrossEntropyLoss()
+    full_rows = min(args.batch_size, len(y_train))  # rows of every step but an epoch's last
 
     mbs_model = small_cnn(seed=args.seed).to(device=device, dtype=dtype)
     full_model = copy.deepcopy(mbs_model)
+    if args.micro_batch == "auto":
+        # A budget that cannot hold one sample's step is a bad --budget-mb: say so before training.
+        first = _epoch_batches(len(y_train), args.batch_size, 0, args.seed)[0]
+        try:
+            mbs_ext.plan_micro_batch(mbs_model, dataset, loss_fn, budget, indices=first)
+        except ValueError as exc:
+            parser.error(f"argument --budget-mb: {args.budget_mb:g} MiB does not fit this model's step ({exc})")
     mbs_opt = torch.optim.Adam(mbs_model.parameters(), lr=args.lr)
     full_opt = torch.optim.Adam(full_model.parameters(), lr=args.lr)
     streamer = mbs_ext.MicroBatchStreamer(
@@ -97,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     history = {"mbs_loss": [], "full_loss": [], "mbs_acc": [], "full_acc": []}
     mbs_time = full_time = 0.0
     micro = None
+    how = f"budget {args.budget_mb:g} MiB" if args.micro_batch == "auto" else f"micro-batch {args.micro_batch}"
     print(
         f"mbs_ext {mbs_ext.__version__} on {device}: {len(y_train)} training digits (32x32), "
-        f"mini-batch {args.batch_size}, budget {args.budget_mb:g} MiB, {args.dtype}"
+        f"mini-batch {args.batch_size}, {how}, {args.dtype}"
     )
     for epoch in range(args.epochs):
         batches = _epoch_batches(len(y_train), args.batch_size, epoch, args.seed)
@@ -108,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             result = streamer.step(dataset, indices=rows)
             mbs_time += time.perf_counter() - start
-            micro = result.micro_batch_size
+            if len(rows) == full_rows:  # an epoch's last, shorter batch may use a smaller size
+                micro = result.micro_batch_size
             history["mbs_loss"].append(result.loss)
             if not args.no_baseline:
                 start = time.perf_counter()
@@ -148,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "saved_bytes_micro_batch": micro_bytes,
         "time_mbs_s": mbs_time,
     }
-    print(f"\nmicro-batch size chosen for the budget: {micro} (mini-batch {args.batch_size})")
+    origin, planned, sentence = _micro_batch_origin(args, micro, full_rows, streamer.plans())
+    summary.update(micro_batch_origin=origin, planned_micro_batch=planned)
+    print(f"\n{sentence}")
     print(f"test accuracy with MBS: {history['mbs_acc'][-1]:.3f}")
     print(
         f"activation memory saved for backward: micro-batch {micro_bytes / 2**20:.2f} MiB "
@@ -171,6 +259,39 @@ def main(argv: list[str] | None = None) -> int:
     (out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return 0
+
+
+def _micro_batch_origin(
+    args: argparse.Namespace, micro: int, full_rows: int, plans: dict
+) -> tuple[str, int | None, str]:
+    """Where the micro-batch size the steps used came from: ``(origin, planned size, a sentence)``.
+
+    Only a size the planner chose for the budget is said to be chosen for the budget; a fixed
+    ``--micro-batch`` or a size lowered by out-of-memory back-off is reported as such.
+    """
+    if args.micro_batch == "auto":
+        planned = max(plans.values(), key=lambda plan: plan.num_rows).micro_batch_size
+        budget = f"the {args.budget_mb:g} MiB budget"
+        if micro < planned:
+            return "backoff", planned, (
+                f"micro-batch size {micro}: planned {planned} for {budget}, lowered by out-of-memory back-off"
+            )
+        if planned >= full_rows:
+            return "budget", planned, (
+                f"micro-batch size {micro}: the whole mini-batch of {full_rows} fits {budget}, so nothing is streamed"
+            )
+        return "budget", planned, f"micro-batch size chosen for {budget}: {micro} (mini-batch {full_rows})"
+    fixed = args.micro_batch
+    if micro < min(fixed, full_rows):
+        return "backoff", None, (
+            f"micro-batch size {micro}: --micro-batch {fixed}, lowered by out-of-memory back-off"
+        )
+    if fixed > full_rows:
+        return "fixed", None, (
+            f"micro-batch size {micro}: --micro-batch {fixed} is more than the mini-batch of {full_rows} "
+            "(not planned; --budget-mb is unused)"
+        )
+    return "fixed", None, f"micro-batch size {micro}, set with --micro-batch (not planned; --budget-mb is unused)"
 
 
 def _plot(history: dict, path: Path, micro: int | None, batch_size: int) -> None:

@@ -33,13 +33,14 @@ and one intra-op thread each, two children at a time on a two-core machine. An a
 failure (``torch.OutOfMemoryError``, ``MemoryError`` or an allocator ``RuntimeError``)
 in the full-batch step is reported as "Failed", like the paper.
 
-Run ``python -m mbs_ext.apps.table --out DIR`` (or ``main([...])``); writes ``table.md``,
+Run ``python -m mbs_ext table --out DIR`` (or ``main([...])``); writes ``table.md``,
 ``table.json`` and ``table.png`` to ``DIR`` and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -58,6 +59,7 @@ DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
 CAP_FACTOR = 1.5
 CAP_SLACK = 16 << 20
 MIB = float(1 << 20)
+PROG = "python -m mbs_ext table"  # cli.PROG's table
 
 
 # --------------------------------------------------------------------------- data, model
@@ -362,6 +364,57 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+# argparse types: an invalid value becomes "PROG: error: argument --OPTION: MESSAGE" after the
+# usage line, exit status 2. (The demo has the same helpers; cli.py cannot hold them for both,
+# as it imports the apps.)
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0 (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed scikit-learn takes, 0 .. 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text!r}")
+    return value
+
+
+def _missing(packages: dict[str, str]) -> list[str]:
+    """The pip names of the ``{import name: pip name}`` packages that cannot be imported.
+
+    Looked up without importing (``importlib.util.find_spec``); a package blocked with
+    ``sys.modules[name] = None`` counts as missing, as an import would.
+    """
+    return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
+
+
 def _parse_sizes(text: str, n_train: int) -> list[int]:
     sizes = []
     for tok in text.split(","):
@@ -372,36 +425,67 @@ def _parse_sizes(text: str, n_train: int) -> list[int]:
     return sorted(dict.fromkeys(sizes))
 
 
+def _sizes(text: str) -> str:
+    """An argparse type: comma-separated integers >= 1 or 'all'/'full'; kept as text (see _parse_sizes)."""
+    tokens = [tok.strip().lower() for tok in text.split(",") if tok.strip()]
+    bad = [tok for tok in tokens if tok not in ("all", "full") and not (tok.isdigit() and int(tok) >= 1)]
+    if not tokens or bad:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated sizes, each an integer >= 1 or 'all', got {text!r}"
+        )
+    return text
+
+
+def _image_size(text: str) -> int | str:
+    """An argparse type: ``auto`` or an integer >= 4 (the CNN halves the image twice)."""
+    if text == "auto":
+        return text
+    try:
+        return _int_at_least(4)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 4, got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mbs_ext table", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="mbs_table", help="output directory (default: mbs_table)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs per run (default: 3)")
-    p.add_argument("--micro-batch", type=int, default=16, help="MBS micro-batch size (default: 16)")
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--out", default="mbs_table", help="output directory (default: %(default)s; mbs_table_gpu with --device cuda)"
+    )
+    p.add_argument("--epochs", type=_int_at_least(1), default=3, help="epochs per run")
+    p.add_argument("--micro-batch", type=_int_at_least(1), default=16, help="MBS micro-batch size")
     p.add_argument(
         "--sizes",
+        type=_sizes,
         default=DEFAULT_SIZES,
-        help=f"comma-separated mini-batch sizes, 'all' = whole training set (default: {DEFAULT_SIZES})",
+        help="comma-separated mini-batch sizes, 'all' = the whole training set",
     )
-    p.add_argument("--jobs", type=int, default=0, help="children run at once (default: min(2, CPUs))")
+    p.add_argument("--jobs", type=_int_at_least(0), default=0, help="children run at once, 0 = min(2, CPUs)")
     p.add_argument(
-        "--max-steps", type=int, default=0, help="cap on steps per epoch, 0 = none (for quick runs)"
+        "--max-steps", type=_int_at_least(0), default=0,
+        help="cap on steps per epoch for quick runs, 0 = none",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
-    p.add_argument("--image-size", type=int, default=None, help="default: 32 on cpu, 224 on cuda")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: the miniature under an OS memory cap; cuda: ResNet-type models under a CUDA cap")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for the weights, split and order")
+    p.add_argument("--lr", type=_positive, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
+    p.add_argument(
+        "--image-size", type=_image_size, default="auto", help="image side in pixels; auto: 32 on cpu, 224 on cuda"
+    )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cpu: the miniature under an OS memory cap; cuda: ResNet-type models under a CUDA cap",
+    )
     p.add_argument("--model", default="resnet50", help="--device cuda: a torchvision model name")
-    p.add_argument("--cap-gib", type=float, default=4.0, help="--device cuda: per-process CUDA memory cap")
-    p.add_argument("--rounds", type=int, default=3, help="--device cuda: interleaved rounds (medians)")
-    p.add_argument("--steps", type=int, default=3, help="--device cuda: timed steps per run")
-    p.add_argument("--child-timeout", type=float, default=300, help=argparse.SUPPRESS)
+    p.add_argument("--cap-gib", type=_positive, default=4.0, help="--device cuda: per-process CUDA memory cap")
+    p.add_argument("--rounds", type=_int_at_least(1), default=3, help="--device cuda: interleaved rounds (medians)")
+    p.add_argument("--steps", type=_int_at_least(1), default=3, help="--device cuda: timed steps per run")
+    p.add_argument("--child-timeout", type=_positive, default=300, help=argparse.SUPPRESS)
     # Child-process options (internal).
     p.add_argument("--child", choices=("calibrate", "row"), help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--micro", type=int, default=16, help=argparse.SUPPRESS)
-    p.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--micro", type=_int_at_least(1), default=16, help=argparse.SUPPRESS)
+    p.add_argument("--cap-bytes", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=_int_at_least(1), default=1, help=argparse.SUPPRESS)
     return p
 
 
@@ -410,14 +494,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         from mbs_ext.apps import table_gpu
 
-        args.image_size = args.image_size or 224
+        args.image_size = 224 if args.image_size == "auto" else args.image_size
         if args.out == "mbs_table":
             args.out = "mbs_table_gpu"
         return table_gpu.main(args)
-    args.image_size = args.image_size or 32
+    args.image_size = 32 if args.image_size == "auto" else args.image_size
     if args.child:
         args.mode = args.child
         return _child(args)
+    missing = _missing({"sklearn": "scikit-learn", "matplotlib": "matplotlib"})
+    if missing:
+        raise SystemExit(
+            f"{PROG} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+            f"pip install 'mbs_ext[demo]' (or: pip install {' '.join(missing)})"
+        )
 
     from sklearn.datasets import load_digits as sk_digits
 

@@ -15,6 +15,7 @@ about memory and speed; the CPU table (``python -m mbs_ext table``) covers accur
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ from mbs_ext.apps._process import child_env
 
 MULTIPLES = (16, 64, 91)
 TAG = "MBS_TABLE_GPU "
+PROG = "python -m mbs_ext table --device cuda"  # cli.PROG's GPU table
 
 
 def _child(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -112,12 +114,11 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("mbs_ext table --device cuda: torch sees no CUDA device", file=sys.stderr)
+        print(f"{PROG}: torch sees no CUDA device", file=sys.stderr)
         return 2
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        print("mbs_ext table --device cuda needs torchvision (pip install torchvision)", file=sys.stderr)
+    missing = [name for name in ("torchvision", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{PROG} needs {', '.join(missing)}: pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     base = {"model": args.model, "cap_bytes": int(args.cap_gib * 2**30), "image_size": args.image_size}
     t0 = time.perf_counter()
