@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mbs_ext.apps._process import child_env
+from mbs_ext.diagnostics import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,8 +47,8 @@ def _child(mode: str, size: int, micro: int, steps: int, threads: int) -> dict:
     from torch import nn
 
     import mbs_ext
-    from mbs_ext.apps._process import malloc_trim, proc_status
     from mbs_ext.apps.data import small_cnn
+    from mbs_ext.diagnostics import malloc_trim, proc_status
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def write_results(res: dict, out: Path = RESULTS) -> dict[str, Path]:
         )
     paths["md"].write_text("\n".join(lines) + "\n")
 
-    from mbs_ext.apps._plot import pyplot
+    from mbs_ext.diagnostics import pyplot
 
     plt = pyplot()
 

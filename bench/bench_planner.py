@@ -2,7 +2,7 @@
 
 For each model and budget, the planned micro-batch size, then the peak of a whole step at
 that size (a batch of exactly 3 micro-batches, so the split does not shrink them): on CPU
-live bytes at the dispatcher (``mbs_ext.memory.PeakTracker``), on CUDA the caching
+live bytes at the dispatcher (``mbs_ext.diagnostics.PeakTracker``), on CUDA the caching
 allocator's ``max_memory_allocated`` above what was allocated before the step. Also the
 step's peak over a plain step of the same micro-batch (``zero_grad``; backward; ``step``
 with no streaming), split in two: a hand-written accumulation loop over the same

@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from mbs_ext import StreamRing
-from mbs_ext.diagnostics import native as _C
 from mbs_ext.diagnostics import default_staging_threads
+from mbs_ext.diagnostics import native as _C
 
 MB_SHAPE = (128, 3, 224, 224)  # one micro-batch, fp32: 77 MB
 MICRO_BATCHES = 16
@@ -244,7 +244,7 @@ def write(res: dict) -> Path:
     (out / "ring_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
-        from mbs_ext.apps._plot import pyplot
+        from mbs_ext.diagnostics import pyplot
 
         plt = pyplot()
 

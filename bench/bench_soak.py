@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mbs_ext
-from mbs_ext.apps._process import os_threads as threads
+from mbs_ext.diagnostics import os_threads as threads
 
 STEPS, WARMUP, EVERY = 2000, 200, 50
 

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from mbs_ext.apps._plot import pyplot
+from mbs_ext.diagnostics import pyplot
 
 plt = pyplot()
 

@@ -3,10 +3,16 @@
 The one module outside ``mbs_ext.__all__`` that code outside the core imports: probes
 of memory (what autograd saves, the peak of one micro-batch), the unchecked fused op
 (for measuring the cost of the checks), the native module (for the ring's low-level
-tests), and the ring's staging-thread default.
+tests), the ring's staging-thread default; and for measuring child processes, their
+environment, /proc memory figures, ``malloc_trim`` and thread count, and matplotlib
+for writing figures without a display.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 from mbs_ext._native import _C as native
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
@@ -16,11 +22,67 @@ from mbs_ext.ring import default_staging_threads
 
 __all__ = [
     "PeakTracker",
+    "child_env",
     "cuda_room",
     "default_staging_threads",
     "is_out_of_memory",
+    "malloc_trim",
     "measure_peak",
     "measure_saved_bytes",
     "native",
+    "os_threads",
+    "proc_status",
+    "pyplot",
     "scale_accumulate_unchecked",
 ]
+
+
+def proc_status() -> dict[str, int]:
+    """``Vm*`` fields of /proc/self/status, in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Vm"):
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * 1024
+    return out
+
+
+def malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so RSS tracks live memory."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of a measuring child: this checkout importable, few malloc arenas, big
+    tensors in their own mappings (freed memory returns to the OS), ``threads`` threads."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])  # the checkout holding mbs_ext/
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["MALLOC_ARENA_MAX"] = "2"
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def os_threads() -> int:
+    """Threads of this process as the OS counts them (Linux /proc)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 import mbs_ext
+from mbs_ext import MicroBatchPlan
 from mbs_ext.apps import demo, table, table_gpu
 from mbs_ext.apps.cli import PROG, main
-from mbs_ext.memory import MicroBatchPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

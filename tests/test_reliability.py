@@ -17,7 +17,7 @@ from helpers import assert_bit_identical, assert_states_match, balanced_ranges, 
 from torch import nn
 
 import mbs_ext
-from mbs_ext.apps._process import os_threads as threads
+from mbs_ext.diagnostics import os_threads as threads
 
 N, M = 11, 3  # four micro-batches: 3, 3, 3, 2 rows
 NUM_MB = 4

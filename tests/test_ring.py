@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import mbs_ext
 from mbs_ext import StreamRing
 from mbs_ext.diagnostics import native as _C
-from mbs_ext.apps._process import os_threads
+from mbs_ext.diagnostics import os_threads
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")

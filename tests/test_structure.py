@@ -100,6 +100,7 @@ COMPONENT_TESTS = {
                                  "mbs_ext.backoff", "mbs_ext.options", "mbs_ext.loss", "mbs_ext.rollback",
                                  "mbs_ext.ranks"},
     "tests/test_batchnorm.py": {"mbs_ext.batchnorm"},
+    "tests/test_ring.py": {"mbs_ext.ring"},
     "tests/test_scale_accumulate.py": {"mbs_ext.grads", "mbs_ext.planner"},
 }
 
@@ -111,6 +112,9 @@ def _outside_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "mbs_ext"}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mbs_ext":
+            if node.module == "mbs_ext.apps":
+                found |= {f"mbs_ext.apps.{a.name}" for a in node.names}
+                continue
             found.add(node.module)
             if node.module == "mbs_ext":
                 found |= {f"mbs_ext.{a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"}

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 
@@ -21,61 +19,11 @@ import torch
 from torch import nn
 
 import mbs_ext
+from mbs_ext.apps import _args as argtypes
 from mbs_ext.apps.data import accuracy, load_digits, small_cnn
 from mbs_ext.diagnostics import measure_saved_bytes
 
 PROG = "python -m mbs_ext demo"  # cli.PROG's demo
-
-
-# argparse types: an invalid value becomes "PROG: error: argument --OPTION: MESSAGE" after the
-# usage line, exit status 2. (The table has the same helpers; cli.py cannot hold them for both,
-# as it imports the apps.)
-
-
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _positive(text: str) -> float:
-    """An argparse type: a finite number > 0 (not nan, not inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """An argparse type: a seed scikit-learn takes, 0 .. 2**32 - 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text!r}")
-    return value
-
-
-def _missing(packages: dict[str, str]) -> list[str]:
-    """The pip names of the ``{import name: pip name}`` packages that cannot be imported.
-
-    Looked up without importing (``importlib.util.find_spec``); a package blocked with
-    ``sys.modules[name] = None`` counts as missing, as an import would.
-    """
-    return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
 
 
 def _micro_batch(text: str) -> int | str:
@@ -83,7 +31,7 @@ def _micro_batch(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return _int_at_least(1)(text)
+        return argtypes.int_at_least(1)(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
 
@@ -92,24 +40,24 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--epochs", type=_int_at_least(1), default=12, help="epochs to train")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=256, help="mini-batch size: rows per optimizer step")
+    p.add_argument("--epochs", type=argtypes.int_at_least(1), default=12, help="epochs to train")
+    p.add_argument("--batch-size", type=argtypes.int_at_least(1), default=256, help="rows per optimizer step")
     p.add_argument(
-        "--budget-mb", type=_positive, default=4.0,
+        "--budget-mb", type=argtypes.positive, default=4.0,
         help="memory budget in MiB for activations + inputs; what --micro-batch auto plans for",
     )
     p.add_argument(
         "--micro-batch", type=_micro_batch, default="auto",
         help="'auto' (the largest size the planner fits in --budget-mb) or a fixed size >= 1",
     )
-    p.add_argument("--lr", type=_positive, default=2e-3, help="Adam learning rate")
+    p.add_argument("--lr", type=argtypes.positive, default=2e-3, help="Adam learning rate")
     p.add_argument("--device", default="auto", help="'auto' (a GPU when there is one), 'cpu' or 'cuda[:i]'")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "float64"],
         help="parameter and data dtype; float64 makes the MBS/full-batch comparison exact on any machine",
     )
     p.add_argument("--out", default="mbs_demo", help="output directory for the PNG and a JSON summary")
-    p.add_argument("--seed", type=_seed, default=0, help="seed for the weights, the split and the order")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed for the weights, the split and the order")
     p.add_argument("--no-baseline", action="store_true", help="skip the full-batch comparison run")
     return p
 
@@ -146,7 +94,7 @@ def _epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = _args(parser, argv)
-    missing = _missing({"tqdm": "tqdm", "sklearn": "scikit-learn", "matplotlib": "matplotlib"})
+    missing = argtypes.missing({"tqdm": "tqdm", "sklearn": "scikit-learn", "matplotlib": "matplotlib"})
     if missing:
         raise SystemExit(
             f"{PROG} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
@@ -295,7 +243,7 @@ def _micro_batch_origin(
 
 
 def _plot(history: dict, path: Path, micro: int | None, batch_size: int) -> None:
-    from mbs_ext.apps._plot import pyplot
+    from mbs_ext.diagnostics import pyplot
 
     plt = pyplot()
 

@@ -40,7 +40,6 @@ Run ``python -m mbs_ext table --out DIR`` (or ``main([...])``); writes ``table.m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -51,8 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mbs_ext.apps._process import child_env, malloc_trim, proc_status
+from mbs_ext.apps import _args as argtypes
 from mbs_ext.apps.data import accuracy, load_digits, small_cnn
+from mbs_ext.diagnostics import child_env, malloc_trim, proc_status
 
 RESULT_TAG = "MBS_TABLE_RESULT "
 DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
@@ -326,7 +326,7 @@ def write_table(
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    from mbs_ext.apps._plot import pyplot
+    from mbs_ext.diagnostics import pyplot
 
     plt = pyplot()
 
@@ -364,57 +364,6 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-# argparse types: an invalid value becomes "PROG: error: argument --OPTION: MESSAGE" after the
-# usage line, exit status 2. (The demo has the same helpers; cli.py cannot hold them for both,
-# as it imports the apps.)
-
-
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _positive(text: str) -> float:
-    """An argparse type: a finite number > 0 (not nan, not inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """An argparse type: a seed scikit-learn takes, 0 .. 2**32 - 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text!r}")
-    return value
-
-
-def _missing(packages: dict[str, str]) -> list[str]:
-    """The pip names of the ``{import name: pip name}`` packages that cannot be imported.
-
-    Looked up without importing (``importlib.util.find_spec``); a package blocked with
-    ``sys.modules[name] = None`` counts as missing, as an import would.
-    """
-    return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
-
-
 def _parse_sizes(text: str, n_train: int) -> list[int]:
     sizes = []
     for tok in text.split(","):
@@ -441,7 +390,7 @@ def _image_size(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return _int_at_least(4)(text)
+        return argtypes.int_at_least(4)(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 4, got {text!r}") from None
 
@@ -453,21 +402,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default="mbs_table", help="output directory (default: %(default)s; mbs_table_gpu with --device cuda)"
     )
-    p.add_argument("--epochs", type=_int_at_least(1), default=3, help="epochs per run")
-    p.add_argument("--micro-batch", type=_int_at_least(1), default=16, help="MBS micro-batch size")
+    p.add_argument("--epochs", type=argtypes.int_at_least(1), default=3, help="epochs per run")
+    p.add_argument("--micro-batch", type=argtypes.int_at_least(1), default=16, help="MBS micro-batch size")
     p.add_argument(
         "--sizes",
         type=_sizes,
         default=DEFAULT_SIZES,
         help="comma-separated mini-batch sizes, 'all' = the whole training set",
     )
-    p.add_argument("--jobs", type=_int_at_least(0), default=0, help="children run at once, 0 = min(2, CPUs)")
+    p.add_argument("--jobs", type=argtypes.int_at_least(0), default=0, help="children run at once, 0 = min(2, CPUs)")
     p.add_argument(
-        "--max-steps", type=_int_at_least(0), default=0,
+        "--max-steps", type=argtypes.int_at_least(0), default=0,
         help="cap on steps per epoch for quick runs, 0 = none",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="seed for the weights, split and order")
-    p.add_argument("--lr", type=_positive, default=1e-3, help="Adam base learning rate, scaled by sqrt(B/micro)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed for the weights, split and order")
+    p.add_argument("--lr", type=argtypes.positive, default=1e-3, help="Adam base lr, scaled by sqrt(B/micro)")
     p.add_argument(
         "--image-size", type=_image_size, default="auto", help="image side in pixels; auto: 32 on cpu, 224 on cuda"
     )
@@ -476,16 +425,16 @@ def _parser() -> argparse.ArgumentParser:
         help="cpu: the miniature under an OS memory cap; cuda: ResNet-type models under a CUDA cap",
     )
     p.add_argument("--model", default="resnet50", help="--device cuda: a torchvision model name")
-    p.add_argument("--cap-gib", type=_positive, default=4.0, help="--device cuda: per-process CUDA memory cap")
-    p.add_argument("--rounds", type=_int_at_least(1), default=3, help="--device cuda: interleaved rounds (medians)")
-    p.add_argument("--steps", type=_int_at_least(1), default=3, help="--device cuda: timed steps per run")
-    p.add_argument("--child-timeout", type=_positive, default=300, help=argparse.SUPPRESS)
+    p.add_argument("--cap-gib", type=argtypes.positive, default=4.0, help="--device cuda: per-process CUDA memory cap")
+    p.add_argument("--rounds", type=argtypes.int_at_least(1), default=3, help="--device cuda: rounds (medians)")
+    p.add_argument("--steps", type=argtypes.int_at_least(1), default=3, help="--device cuda: timed steps per run")
+    p.add_argument("--child-timeout", type=argtypes.positive, default=300, help=argparse.SUPPRESS)
     # Child-process options (internal).
     p.add_argument("--child", choices=("calibrate", "row"), help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--micro", type=_int_at_least(1), default=16, help=argparse.SUPPRESS)
-    p.add_argument("--cap-bytes", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=_int_at_least(1), default=1, help=argparse.SUPPRESS)
+    p.add_argument("--micro", type=argtypes.int_at_least(1), default=16, help=argparse.SUPPRESS)
+    p.add_argument("--cap-bytes", type=argtypes.int_at_least(0), default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=argtypes.int_at_least(1), default=1, help=argparse.SUPPRESS)
     return p
 
 
@@ -502,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         args.mode = args.child
         return _child(args)
-    missing = _missing({"sklearn": "scikit-learn", "matplotlib": "matplotlib"})
+    missing = argtypes.missing({"sklearn": "scikit-learn", "matplotlib": "matplotlib"})
     if missing:
         raise SystemExit(
             f"{PROG} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mbs_ext.apps._process import child_env
+from mbs_ext.diagnostics import child_env
 
 MULTIPLES = (16, 64, 91)
 TAG = "MBS_TABLE_GPU "
@@ -161,7 +161,7 @@ def _write(out: Path, rows: list[dict], meta: dict) -> None:
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (out / "table_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    from mbs_ext.apps._plot import pyplot
+    from mbs_ext.diagnostics import pyplot
 
     plt = pyplot()
 

@@ -1,0 +1,57 @@
+"""argparse types and dependency checks shared by the apps' command lines.
+
+An invalid value becomes ``PROG: error: argument --OPTION: MESSAGE`` after the usage
+line, exit status 2: never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0 (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed scikit-learn takes, 0 .. 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text!r}")
+    return value
+
+
+def missing(packages: dict[str, str]) -> list[str]:
+    """The pip names of the ``{import name: pip name}`` packages that cannot be imported.
+
+    Looked up without importing (``importlib.util.find_spec``); a package blocked with
+    ``sys.modules[name] = None`` counts as missing, as an import would.
+    """
+    return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]

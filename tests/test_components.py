@@ -1,0 +1,220 @@
+"""Unit tests of the step's components, each on its own: options, the normalizer, the
+batch and index validators, the split rule, the finish's skip decision and the back-off
+policy. End-to-end behaviour is tested against full-batch references elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import balanced_sizes
+from torch import nn
+
+from mbs_ext import backoff, batch, finish, normalize, options, ranks, ring
+
+
+class TestStepOptions:
+    def test_validated_once_and_frozen(self):
+        opts = options.StepOptions(micro_batch_size=4, max_grad_norm=1)
+        assert opts.max_grad_norm == 1.0 and isinstance(opts.max_grad_norm, float)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            opts.micro_batch_size = 3
+
+    @pytest.mark.parametrize(
+        ("field", "value", "exc"),
+        [("micro_batch_size", 0, ValueError), ("micro_batch_size", "big", ValueError),
+         ("micro_batch_size", 2.0, TypeError), ("normalize", "tokens", ValueError), ("normalize", 3, TypeError),
+         ("on_nonfinite", "ignore", ValueError), ("max_grad_norm", -1.0, ValueError),
+         ("memory_budget", 0, ValueError), ("autocast_dtype", torch.int8, ValueError)],
+    )
+    def test_each_field_names_itself(self, field, value, exc):
+        kw = {"micro_batch_size": 4, field: value}
+        with pytest.raises(exc, match=field):
+            options.StepOptions(**kw)
+
+    def test_overrides(self):
+        base = options.StepOptions(micro_batch_size=4, on_nonfinite="raise")
+        assert options.make_options(base, {"micro_batch_size": 2}) == options.StepOptions(
+            micro_batch_size=2, on_nonfinite="raise")
+        assert options.make_options(None, {"micro_batch_size": 3}).micro_batch_size == 3
+        with pytest.raises(TypeError, match="micro_batch_size is required"):
+            options.make_options(None, {})
+        with pytest.raises(ValueError, match="micro_batch_size"):
+            options.make_options(base, {"micro_batch_size": -1})
+
+
+def _normalizer(rule, sizes):
+    return normalize.Normalizer(rule, rows=sum(sizes), num_micro_batches=len(sizes), device=torch.device("cpu"),
+                                ranks=ranks.Ranks(None, None, 1))
+
+
+def _ranges(sizes):
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+class TestNormalizer:
+    @pytest.mark.parametrize("sizes", [[4, 3, 3], [1], [5, 5]])
+    def test_samples_weights_are_shares_of_the_rows(self, sizes):
+        norm = _normalizer(normalize.Rule("samples"), sizes)
+        weights = [norm.weight(norm.count(None, r)) for r in _ranges(sizes)]
+        assert weights == [n / sum(sizes) for n in sizes]
+        norm.settle()
+        assert norm.rescale_factor(per_rank=True) == 1.0  # known ahead: nothing to rescale
+
+    def test_count_rule_settles_to_the_exact_total(self):
+        counts = iter([2.0, 6.0, 0.0, 4.5])
+        norm = _normalizer(normalize.Rule("count", lambda mb: next(counts), "test"), [1, 1, 1, 1])
+        provisional = [norm.weight(norm.count(None, r)) for r in _ranges([1, 1, 1, 1])]
+        norm.settle()
+        factor = norm.rescale_factor(per_rank=True)
+        exact = [w * factor for w in provisional]
+        assert exact == pytest.approx([2 / 12.5, 6 / 12.5, 0.0, 4.5 / 12.5], rel=1e-15)
+
+    def test_sum_rule_weights_one_and_total_one(self):
+        norm = _normalizer(normalize.Rule("sum"), [3, 3])
+        for r in _ranges([3, 3]):
+            c = norm.count(None, r)
+            norm.add_loss(torch.tensor(2.0, dtype=torch.float64), c)
+            assert norm.weight(c) == 1.0
+        norm.settle()
+        assert norm.check(*[float(v) for v in norm.device_values()]) == 4.0
+
+    def test_invalid_device_count_is_marked_and_named(self):
+        values = iter([torch.tensor(3.0), torch.tensor(-1.0), torch.tensor(float("nan"))])
+        norm = _normalizer(normalize.Rule("count", lambda mb: next(values), "the count"), [2, 2, 2])
+        for r in _ranges([2, 2, 2]):
+            norm.count(None, r)
+        norm.settle()
+        loss_sum, total, bad = (float(v) for v in norm.device_values())
+        with pytest.raises(ValueError, match=r"returned one that is not at micro-batch 1 of 3 \(rows \[2, 4\)"):
+            norm.check(loss_sum, total, bad)
+
+    def test_zero_total_is_an_error(self):
+        norm = _normalizer(normalize.Rule("count", lambda mb: 0, "c"), [2])
+        norm.count(None, (0, 2))
+        norm.settle()
+        with pytest.raises(ValueError, match="sum to 0"):
+            norm.check(0.0, 0.0, 0.0)
+
+    def test_zero_count_adds_no_nan_loss(self):
+        norm = _normalizer(normalize.Rule("count", lambda mb: torch.tensor(0.0), "c"), [2])
+        c = norm.count(None, (0, 2))
+        norm.add_loss(torch.tensor(float("nan"), dtype=torch.float64), c)
+        assert float(norm.loss_sum) == 0.0
+
+
+class TestSplitAndValidators:
+    def test_split_rule_matches_the_written_out_promise(self):
+        for n in range(0, 50):
+            for m in range(1, n + 2):
+                assert ring.split_sizes(n, m) == (balanced_sizes(n, m) if n else [])
+
+    @pytest.mark.parametrize(
+        ("value", "exc", "match"),
+        [({"a": 1}, ValueError, "at least one tensor"), ((torch.zeros(3), torch.zeros(4)), ValueError, "dim-0"),
+         (torch.zeros(0, 2), ValueError, "empty"), (torch.tensor(1.0), ValueError, "0-dim"),
+         (torch.zeros(3).to_sparse(), ValueError, "dense"), (range(3), TypeError, "batch is a range")],
+    )
+    def test_batch_validator(self, value, exc, match):
+        with pytest.raises(exc, match=match):
+            batch.check(value, None, torch.device("cpu"))
+
+    def test_batch_and_indices(self):
+        data = (torch.zeros(10, 2), torch.zeros(10))
+        assert batch.check(data, None, torch.device("cpu")) == (10, None)
+        rows, idx = batch.check(data, torch.tensor([3, 1, 3], dtype=torch.int32), torch.device("cpu"))
+        assert rows == 3 and idx.dtype == torch.int64 and idx.tolist() == [3, 1, 3]
+        for bad, match in [(torch.tensor([10]), "index 10"), (torch.tensor([-1]), "negative index -1"),
+                           (torch.tensor([[1]]), "1-d"), (torch.tensor([], dtype=torch.int64), "empty"),
+                           ([1, 2], "torch.Tensor"), (torch.tensor([1.0]), "int64")]:
+            with pytest.raises((TypeError, ValueError), match=match):
+                batch.check(data, bad, torch.device("cpu"))
+
+
+class TestFinishDecision:
+    def _decide(self, loss, grads_bad, scaler=None, on_nonfinite="skip"):
+        opts = options.StepOptions(micro_batch_size=2, scaler=scaler, on_nonfinite=on_nonfinite)
+        norm = _normalizer(normalize.Rule("samples"), [2, 2])
+        for r in _ranges([2, 2]):
+            norm.count(None, r)
+        return finish._should_skip(loss, grads_bad, 2 if not math.isfinite(loss) else 0, norm, opts)
+
+    def test_finite_steps(self):
+        assert self._decide(1.0, False) is False
+
+    def test_nonfinite_loss_warns_with_its_micro_batch(self):
+        with pytest.warns(RuntimeWarning, match=r"non-finite loss at micro-batch 1 of 2 \(rows \[2, 4\)\)"):
+            assert self._decide(math.nan, True) is True
+
+    def test_raise(self):
+        with pytest.raises(FloatingPointError, match="non-finite gradient"):
+            self._decide(1.0, True, on_nonfinite="raise")
+
+    def test_scaler_overflow_skips_silently(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert self._decide(1.0, True, scaler=torch.amp.GradScaler("cpu")) is True
+
+
+class TestBackoffPolicy:
+    @pytest.mark.parametrize("limit", [1, 5, 13, 39, 64])
+    def test_largest_fitting_is_within_a_sixteenth(self, limit):
+        probed = []
+
+        def fits(m):
+            probed.append(m)
+            return m <= limit
+
+        found = backoff.largest_fitting(fits, 64)
+        assert found <= limit and found >= limit - max(1, 64 // 16)
+        assert len(probed) <= 6
+
+    def test_nothing_fits(self):
+        assert backoff.largest_fitting(lambda m: False, 40) is None
+
+    def test_with_backoff_redoes_at_the_size_found(self):
+        tried, remembered = [], []
+
+        def attempt(m):
+            tried.append(m)
+            if m > 10:
+                raise torch.OutOfMemoryError("injected")
+            return m
+
+        with pytest.warns(RuntimeWarning, match="redoing the step with micro_batch_size=10"):
+            out = backoff.with_backoff(attempt, 40, retryable=lambda e: True, fits_at=lambda m: m <= 10,
+                                       free=lambda: None, remember=remembered.append)
+        assert out == 10 and tried == [40, 10] and remembered == [10]
+
+    def test_other_errors_and_unretryable_ones_propagate(self):
+        def boom(m):
+            raise ValueError("not memory")
+
+        with pytest.raises(ValueError):
+            backoff.with_backoff(boom, 8, retryable=lambda e: True, fits_at=lambda m: True, free=lambda: None,
+                                 remember=lambda m: None)
+
+        def oom(m):
+            raise torch.OutOfMemoryError("injected")
+
+        with pytest.raises(torch.OutOfMemoryError):
+            backoff.with_backoff(oom, 8, retryable=lambda e: False, fits_at=lambda m: True, free=lambda: None,
+                                 remember=lambda m: None)
+
+
+class TestRanks:
+    def test_plain_model_without_distributed_is_one_rank(self):
+        r = ranks.Ranks.of(nn.Linear(2, 2))
+        assert (r.ddp, r.group, r.world) == (None, None, 1)
+
+    def test_all_reduce_sum_keeps_order_of_host_and_device_values(self):
+        r = ranks.Ranks(None, None, 1)
+        out = r.all_reduce_sum([1.0, torch.tensor(2.0), 3.0], torch.device("cpu"), host_tail=[4.0, 5.0])
+        assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
