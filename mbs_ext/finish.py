@@ -55,14 +55,12 @@ def finish(
     params: list[nn.Parameter],
     sink: AutogradSink | BufferSink,
     normalizer: Normalizer,
-    losses: list[tuple[int, torch.Tensor]],
     options: StepOptions,
     optimizer: torch.optim.Optimizer,
     guard: StepGuard,
     device: torch.device,
 ) -> Finished:
-    """Read, decide, and step (or roll back a skipped step); ``losses`` are the micro-batches'
-    (index, loss) for naming the first non-finite one."""
+    """Read, decide, and step (or roll back a skipped step)."""
     scaler = options.scaler
     if scaler is not None:
         guard.unscaled = True
@@ -75,13 +73,13 @@ def finish(
         # the offending gradient in .grad for inspection.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    values = [*normalizer.device_values(), found, _first_nonfinite(losses, device)]
+    values = [*normalizer.device_values(), found, normalizer.first_nonfinite()]
     if norm is not None:
         values.append(norm.detach())
     read = _read(values, device)
     loss = normalizer.check(read[0], read[1], read[2])
     grad_norm = read[5] if norm is not None else None
-    skipped = _should_skip(loss, read[3] != 0, int(read[4]), normalizer, options)
+    skipped = _should_skip(loss, read[3] != 0, read[4], normalizer, options)
     if skipped:
         if scaler is not None:
             scaler.update()  # backs off when the gradients overflowed
@@ -95,17 +93,6 @@ def finish(
     return Finished(loss, skipped, grad_norm)
 
 
-def _first_nonfinite(losses: list[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor | float:
-    """1 + the index of the first micro-batch whose loss is not finite (0: none), on the device."""
-    if not losses:
-        return 0.0
-    stacked = torch.stack([loss.to(device, torch.float64).reshape(()) for _, loss in losses])
-    marks = torch.tensor([i + 1 for i, _ in losses], dtype=torch.float64).to(device)
-    bad = torch.where(torch.isfinite(stacked), torch.full_like(marks, math.inf), marks)
-    first = bad.min()
-    return torch.where(torch.isinf(first), torch.zeros_like(first), first)
-
-
 def _read(values: list, device: torch.device) -> list[float]:
     """Host numbers of ``values`` with one device-to-host copy for all the device tensors."""
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -117,7 +104,7 @@ def _read(values: list, device: torch.device) -> list[float]:
     return read
 
 
-def _should_skip(loss: float, grads_bad: bool, nonfinite_at: int, normalizer: Normalizer,
+def _should_skip(loss: float, grads_bad: bool, nonfinite_mark: float, normalizer: Normalizer,
                  options: StepOptions) -> bool:
     """Whether to skip the optimizer step; raises or warns as ``on_nonfinite`` says.
 
@@ -129,8 +116,7 @@ def _should_skip(loss: float, grads_bad: bool, nonfinite_at: int, normalizer: No
     if options.scaler is not None and math.isfinite(loss):
         return True
     if not math.isfinite(loss):
-        where = f" at {normalizer.describe(nonfinite_at - 1)}" if nonfinite_at > 0 else " on another DDP rank"
-        msg = f"non-finite loss{where} (loss={loss})"
+        msg = f"non-finite loss {normalizer.nonfinite_at(nonfinite_mark)} (loss={loss})"
     else:
         msg = f"non-finite gradient (loss={loss})"
     if options.on_nonfinite == "raise":

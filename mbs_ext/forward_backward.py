@@ -42,7 +42,6 @@ class ForwardBackward:
         self.index = -1  # micro-batch in progress; num_mb once all have streamed
         self.rows = (0, 0)
         self.compute_s = 0.0
-        self.losses: list[tuple[int, torch.Tensor]] = []  # (index, detached loss), for the finish
 
     def run(self, micro_batches: Iterator[Any]) -> None:
         """Consume ``micro_batches`` (a ring iterator: ``rows`` is each one's ``(start, stop)``)."""
@@ -83,7 +82,6 @@ class ForwardBackward:
             if loss.dtype in LOW_PRECISION:
                 loss = loss.float()
             norm.add_loss(loss.detach(), c)
-            self.losses.append((self.index, loss.detach()))
             if settle_now:
                 self._settle()
                 weight = norm.final_weight(c)

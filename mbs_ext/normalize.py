@@ -78,7 +78,12 @@ def _device_count(value: torch.Tensor, source: str) -> torch.Tensor:
 
 
 class Normalizer:
-    """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches."""
+    """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches.
+
+    Per micro-batch it only records (the count, the detached loss): the totals, the loss
+    and the validation of device counts are computed in a few vectorized operations when
+    the step settles, so the cost per micro-batch does not grow with bookkeeping.
+    """
 
     def __init__(self, rule: Rule, *, rows: int, num_micro_batches: int, device: torch.device, ranks: Ranks) -> None:
         self.rule = rule
@@ -86,19 +91,19 @@ class Normalizer:
         self.device = device
         self.ranks = ranks
         self.summing = rule.kind == "sum"
-        self.local_total: Count = 0.0
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts: list[Count] = []
+        self.losses: list[tuple[int, torch.Tensor, Count]] = []  # (index, detached loss, count)
+        self.rows_of: list[tuple[int, int]] = []
+        self.loss_sum: torch.Tensor | None = None  # set by settle (global under DDP)
         self.total: Count | None = None  # the global D, once settled
+        # 1 + the first micro-batch whose device count is invalid (0: none; -1: only another rank's).
+        self.bad: torch.Tensor | float = 0.0
         self.denom: Count | None = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}.get(
             rule.kind
         )
-        # 1 + the first micro-batch whose device count is invalid (0: none; -1: only another rank's).
-        self.bad: torch.Tensor | None = None
-        self.rows_of: list[tuple[int, int]] = []
 
     def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
-        index = len(self.rows_of)
         self.rows_of.append(rows)
         kind = self.rule.kind
         if kind == "samples":
@@ -106,13 +111,13 @@ class Normalizer:
         elif kind in ("micro_batches", "sum"):
             c = 1.0
         else:
-            c = self._called_count(micro_batch, index)
-        self.local_total = self.local_total + c
+            c = self._called_count(micro_batch)
+        self.counts.append(c)
         if self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c
 
-    def _called_count(self, micro_batch: Any, index: int) -> Count:
+    def _called_count(self, micro_batch: Any) -> Count:
         value = self.rule.count(micro_batch)
         source = self.rule.source
         if not isinstance(value, torch.Tensor):
@@ -120,17 +125,11 @@ class Normalizer:
         c = _device_count(value, source)
         if c.device.type == "cpu" and self.device.type != "cpu":
             return check_count(c, source)  # read on the host: a copy to the device would block
-        c = c.to(self.device)
-        mark = (~torch.isfinite(c) | (c < 0)).to(torch.float64) * float(index + 1)
-        self.bad = mark if self.bad is None else torch.where(self.bad > 0, self.bad, mark)
-        return c
+        return c.to(self.device)  # validated in settle(), on the device
 
     def add_loss(self, loss: torch.Tensor, c: Count) -> None:
-        """Add ``c * loss`` to the mini-batch loss (a zero count adds nothing, even a NaN mean)."""
-        if isinstance(c, torch.Tensor):
-            self.loss_sum += torch.where(c > 0, loss.double() * c, torch.zeros_like(c))
-        elif c != 0:
-            self.loss_sum += loss.double() * c
+        """Record the micro-batch's loss; it counts ``c`` times in the mini-batch loss."""
+        self.losses.append((len(self.rows_of) - 1, loss, c))
 
     def weight(self, c: Count) -> Count:
         """The gradient weight of a micro-batch before the total is known (``c / provisional D``)."""
@@ -141,23 +140,60 @@ class Normalizer:
         return c * self.ranks.world / self.total
 
     def settle(self, extra: list[Count] = (), host_tail: list[float] | None = None) -> torch.Tensor | None:
-        """Global total and loss over the ranks in one collective (with ``extra`` values riding along).
-
-        Returns the reduced ``extra`` + ``host_tail`` values (None on one process).
-        """
-        total: Count = 1.0 if self.summing else self.local_total
+        """Local totals and checks, then the global ones over the ranks in one collective (with
+        ``extra`` values riding along). Returns the reduced ``extra`` + ``host_tail`` (None on one process)."""
+        total = self._local_total()
+        self.loss_sum = self._local_loss_sum()
         reduced = None
         if self.ranks.group is not None:
-            values = self.ranks.all_reduce_sum(
-                [total, self.loss_sum, self._bad_flag(), *extra], self.device, host_tail=host_tail
-            )
+            flag = (self.bad > 0).to(torch.float64) if isinstance(self.bad, torch.Tensor) else 0.0
+            values = self.ranks.all_reduce_sum([total, self.loss_sum, flag, *extra], self.device, host_tail=host_tail)
             if not self.summing:
                 total = values[0]
             self.loss_sum = values[1]
-            self._merge_bad(values[2])
+            local = self.bad if isinstance(self.bad, torch.Tensor) else torch.zeros_like(values[2])
+            # Keep this rank's first bad micro-batch, or -1 when only another rank had one.
+            self.bad = torch.where(values[2] > 0, torch.where(local > 0, local, -1.0), 0.0)
             reduced = values[3:]
         self.total = total
         return reduced
+
+    def _local_total(self) -> Count:
+        """This rank's total count; device counts are validated here, on the device."""
+        if self.summing:
+            return 1.0
+        host = float(sum(c for c in self.counts if not isinstance(c, torch.Tensor)))
+        self._device_index = [i for i, c in enumerate(self.counts) if isinstance(c, torch.Tensor)]
+        if not self._device_index:
+            return host
+        counts = torch.stack([self.counts[i] for i in self._device_index])
+        self.bad = _first_position(~torch.isfinite(counts) | (counts < 0))
+        return counts.sum() + host
+
+    def _local_loss_sum(self) -> torch.Tensor:
+        """``sum_i c_i * loss_i`` in float64 (a zero count adds nothing, even a NaN mean); a few
+        vectorized operations, no host-to-device copy."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        on_device = [(loss, c) for _, loss, c in self.losses if isinstance(c, torch.Tensor)]
+        on_host = [(loss, c) for _, loss, c in self.losses if not isinstance(c, torch.Tensor) and c != 0]
+        if on_device:
+            losses = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
+            counts = torch.stack([c for _, c in on_device])
+            total = total + torch.where(counts > 0, losses * counts, torch.zeros_like(counts)).sum()
+        if on_host:
+            losses = torch.stack([loss for loss, _ in on_host]).to(torch.float64).unbind()
+            total = total + torch.stack(torch._foreach_mul(losses, [float(c) for _, c in on_host])).sum()
+        return total
+
+    def first_nonfinite(self) -> torch.Tensor | float:
+        """Where the first non-finite micro-batch loss is, as a device mark for :meth:`nonfinite_at`."""
+        if not self.losses:
+            return 0.0
+        return _first_position(~torch.isfinite(torch.stack([loss for _, loss, _ in self.losses])))
+
+    def nonfinite_at(self, mark: float) -> str:
+        """Where a non-finite loss was, from the mark read on the host."""
+        return f"at {self.describe(self.losses[int(mark) - 1][0])}" if mark > 0 else "on another DDP rank"
 
     def rescale_factor(self, per_rank: bool) -> Count:
         """What to multiply provisionally weighted sums by: ``D_provisional / D`` (times the world
@@ -169,7 +205,7 @@ class Normalizer:
 
     def device_values(self) -> list[Count]:
         """What :meth:`check` needs read on the host: loss sum, total, bad-count mark."""
-        return [self.loss_sum, self.total, self.bad if self.bad is not None else 0.0]
+        return [self.loss_sum, self.total, self.bad]
 
     def check(self, loss_sum: float, total: float, bad: float) -> float:
         """Raise on an invalid count or a zero total; return the mini-batch loss."""
@@ -182,16 +218,16 @@ class Normalizer:
         return loss_sum / total
 
     def _where(self, mark: float) -> str:
-        return "on another DDP rank" if mark < 0 else f"at {self.describe(int(mark) - 1)}"
+        return "on another DDP rank" if mark < 0 else f"at {self.describe(self._device_index[int(mark) - 1])}"
 
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
         start, stop = self.rows_of[k]
         return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
 
-    def _bad_flag(self) -> Count:
-        return (self.bad > 0).to(torch.float64) if self.bad is not None else 0.0
 
-    def _merge_bad(self, ranks_with_bad: torch.Tensor) -> None:
-        local = self.bad if self.bad is not None else torch.zeros_like(ranks_with_bad)
-        self.bad = torch.where(ranks_with_bad > 0, torch.where(local > 0, local, -1.0), 0.0)
+def _first_position(flags: torch.Tensor) -> torch.Tensor:
+    """1 + the position of the first true flag of a 1-d tensor (0: none), on its device."""
+    positions = torch.arange(1, flags.numel() + 1, dtype=torch.float64, device=flags.device)
+    first = torch.where(flags, positions, torch.full_like(positions, math.inf)).min()
+    return torch.where(torch.isinf(first), torch.zeros_like(first), first)

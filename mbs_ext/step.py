@@ -199,7 +199,7 @@ class MicroBatchStreamer:
             # A CPU model reads row ranges of the host batch in place: nothing to stage.
             progress.fb.run(ring.stream(call.batch, m, indices=call.indices, copy=device.type != "cpu"))
             t_finish = time.perf_counter()
-            done = finish(call.params, sink, normalizer, progress.fb.losses, opts, self.optimizer, guard, device)
+            done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device)
         except BaseException as exc:
             guard.rollback(clear_grads=True)
             if sink is not None:

@@ -104,10 +104,12 @@ class TestNormalizer:
             norm.check(0.0, 0.0, 0.0)
 
     def test_zero_count_adds_no_nan_loss(self):
-        norm = _normalizer(normalize.Rule("count", lambda mb: torch.tensor(0.0), "c"), [2])
-        c = norm.count(None, (0, 2))
-        norm.add_loss(torch.tensor(float("nan"), dtype=torch.float64), c)
-        assert float(norm.loss_sum) == 0.0
+        counts = iter([torch.tensor(0.0), torch.tensor(2.0)])
+        norm = _normalizer(normalize.Rule("count", lambda mb: next(counts), "c"), [2, 2])
+        for r, loss in zip(_ranges([2, 2]), [float("nan"), 1.5]):
+            norm.add_loss(torch.tensor(loss, dtype=torch.float64), norm.count(None, r))
+        norm.settle()
+        assert float(norm.loss_sum) == 3.0
 
 
 class TestSplitAndValidators:
@@ -143,8 +145,8 @@ class TestFinishDecision:
         opts = options.StepOptions(micro_batch_size=2, scaler=scaler, on_nonfinite=on_nonfinite)
         norm = _normalizer(normalize.Rule("samples"), [2, 2])
         for r in _ranges([2, 2]):
-            norm.count(None, r)
-        return finish._should_skip(loss, grads_bad, 2 if not math.isfinite(loss) else 0, norm, opts)
+            norm.add_loss(torch.tensor(loss if r[0] else 1.0), norm.count(None, r))
+        return finish._should_skip(loss, grads_bad, 2.0 if not math.isfinite(loss) else 0.0, norm, opts)
 
     def test_finite_steps(self):
         assert self._decide(1.0, False) is False
