@@ -6,14 +6,14 @@
 #include <algorithm>
 #include <string>
 
-#include "native/clock.h"
+#include "ring/core/clock.h"
 
 namespace mbs {
 
 namespace {
 
-using native::Clock;
-using native::ns_since;
+using ring_core::Clock;
+using ring_core::ns_since;
 
 // Defensive checks only: mbs_ext.ring validates the batch with the messages users see.
 int64_t rows_of(const std::vector<at::Tensor>& leaves) {
@@ -113,12 +113,12 @@ std::vector<at::Tensor> aliases(std::vector<at::Tensor> leaves) {
 
 RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
                            std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
-                           std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers)
+                           std::shared_ptr<HostBufferPool> pool, std::shared_ptr<ring_core::WorkerPool> workers)
     : leaves_(aliases(std::move(leaves))),
       micro_batch_size_(micro_batch_size),
       indices_(checked_indices(indices, rows_of(leaves_))),
       total_rows_(indices_.defined() ? indices_.numel() : rows_of(leaves_)),
-      items_(native::num_micro_batches(total_rows_, std::max<int64_t>(micro_batch_size, 1))),
+      items_(ring_core::num_micro_batches(total_rows_, std::max<int64_t>(micro_batch_size, 1))),
       stats_(std::move(stats)),
       workers_(std::move(workers)) {
   TORCH_CHECK_VALUE(micro_batch_size >= 1, "StreamRing: micro_batch_size must be >= 1, got ", micro_batch_size);
@@ -133,7 +133,7 @@ RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor
   pool->cache_at_least(leaves_.size() * (static_cast<size_t>(slots) + 3));
   staged_.resize(static_cast<size_t>(slots));
   stats_->planned.store(items_);
-  core_ = std::make_unique<native::RingCore>(slots, items_, [this](int64_t item, int slot) { stage(item, slot); });
+  core_ = std::make_unique<ring_core::RingCore>(slots, items_, [this](int64_t item, int slot) { stage(item, slot); });
 }
 
 RingIterator::~RingIterator() {
@@ -146,7 +146,7 @@ RingIterator::~RingIterator() {
 void RingIterator::stage(int64_t item, int slot) {
   const auto t0 = Clock::now();
   c10::AutoGradMode no_grad(false);
-  const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  const auto [start, stop] = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
   const int64_t len = stop - start;
   transfer_->wait_copied(slot);  // nothing reads the slot's staging memory any more
   std::vector<at::Tensor> out;
@@ -169,7 +169,7 @@ void RingIterator::stage(int64_t item, int slot) {
         const int64_t row_bytes = (len > 0 ? dst.numel() / len : 0) * elem;
         const char* base = static_cast<const char*>(src.const_data_ptr());
         if (!idx) base += start * src.stride(0) * elem;
-        native::copy_rows(*workers_, dst.mutable_data_ptr(), base, row_bytes, src.stride(0) * elem, idx, len);
+        ring_core::copy_rows(*workers_, dst.mutable_data_ptr(), base, row_bytes, src.stride(0) * elem, idx, len);
       } else if (idx) {  // rare layouts: torch's own kernels
         at::index_select_out(dst, src, 0, indices_.narrow(0, start, len));
       } else {
@@ -195,7 +195,7 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
               "StreamRing: this stream was closed because a new stream was started on the same ring");
   TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
   if (closed_) return std::nullopt;
-  std::optional<native::RingCore::Ticket> ticket;  // stays empty when a copy is pending
+  std::optional<ring_core::RingCore::Ticket> ticket;  // stays empty when a copy is pending
   if (!pending_ && held_) {
     ticket = held_;
     held_.reset();
@@ -216,7 +216,7 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   // every micro-batch in flight is dropped safely for its memory and the stream ends.
   std::optional<DeviceBatch> batch;
   try {
-    auto take = [&](const native::RingCore::Ticket& t) {
+    auto take = [&](const ring_core::RingCore::Ticket& t) {
       auto& staged = staged_[static_cast<size_t>(t.slot)];
       DeviceBatch b = transfer_->enqueue(t.item, t.slot, staged);  // staged stays until the copy is enqueued
       staged.clear();  // before release: from then on the worker may refill the slot
@@ -260,7 +260,7 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   {
     std::lock_guard<std::mutex> pos(pos_mu_);
     index_ = batch->item;
-    rows_ = native::micro_batch_range(total_rows_, micro_batch_size_, batch->item);
+    rows_ = ring_core::micro_batch_range(total_rows_, micro_batch_size_, batch->item);
   }
   stats_->micro_batches.fetch_add(1);
   return std::move(batch->tensors);
@@ -278,7 +278,7 @@ std::pair<int64_t, int64_t> RingIterator::rows() const {
 
 void RingIterator::prepare_next(int64_t item) {
   if (!reserve_ahead_ || item >= items_) return;
-  const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  const auto [start, stop] = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
   try {
     transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
   } catch (const c10::OutOfMemoryError&) {
@@ -346,7 +346,7 @@ StreamRing::StreamRing(c10::Device device, int slots, int staging_threads)
   TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "StreamRing: device must be cpu or cuda, got ", device);
   TORCH_CHECK_VALUE(staging_threads >= 1 && staging_threads <= 256,
                     "StreamRing: staging_threads must be in [1, 256], got ", staging_threads);
-  workers_ = std::make_shared<native::WorkerPool>(staging_threads);
+  workers_ = std::make_shared<ring_core::WorkerPool>(staging_threads);
 }
 
 StreamRing::~StreamRing() {

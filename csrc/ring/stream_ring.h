@@ -1,9 +1,9 @@
 // StreamRing: streams a host batch to a device in micro-batches, staged by a
-// background C++ thread through a fixed ring of slots (native::RingCore). Staging
+// background C++ thread through a fixed ring of slots (ring_core::RingCore). Staging
 // copies run on the ring's own WorkerPool (staging_threads), never on torch's
 // intra-op threads, so torch.set_num_threads does not change them.
 //
-// Micro-batches are balanced (native::split_sizes): sizes differ by at most one.
+// Micro-batches are balanced (ring_core::split_sizes): sizes differ by at most one.
 //
 // One path for every device: the worker stages micro-batch i into slot i % slots
 // (or, from a pinned batch on a CUDA ring, takes a view: nothing to stage), and the
@@ -28,8 +28,8 @@
 #include <utility>
 #include <vector>
 
-#include "native/ring_core.h"
-#include "native/worker_pool.h"
+#include "ring/core/ring_core.h"
+#include "ring/core/worker_pool.h"
 #include "ring/host_buffer_pool.h"
 
 namespace mbs {
@@ -89,7 +89,7 @@ class RingIterator {
  public:
   RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
                std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
-               std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers);
+               std::shared_ptr<HostBufferPool> pool, std::shared_ptr<ring_core::WorkerPool> workers);
   ~RingIterator();
   RingIterator(const RingIterator&) = delete;
   RingIterator& operator=(const RingIterator&) = delete;
@@ -121,7 +121,7 @@ class RingIterator {
   const int64_t total_rows_;
   const int64_t items_;
   const std::shared_ptr<RingStats> stats_;
-  const std::shared_ptr<native::WorkerPool> workers_;
+  const std::shared_ptr<ring_core::WorkerPool> workers_;
   std::unique_ptr<DeviceTransfer> transfer_;
   // Per slot: what the worker staged (handed over through the core's protocol).
   std::vector<std::vector<at::Tensor>> staged_;
@@ -131,7 +131,7 @@ class RingIterator {
   bool superseded_ = false;
   std::string failed_;  // why a consumer-side failure ended the stream
   std::optional<DeviceBatch> pending_;              // the next micro-batch, its copy enqueued
-  std::optional<native::RingCore::Ticket> held_;    // the next micro-batch, acquired but not copied yet
+  std::optional<ring_core::RingCore::Ticket> held_;    // the next micro-batch, acquired but not copied yet
   bool copy_ahead_ = true;                          // off after an out-of-memory error copying ahead
   bool reserve_ahead_ = true;                       // off after a failed reservation
   // Position of the last micro-batch handed out: its own lock, so that index()/rows()
@@ -139,7 +139,7 @@ class RingIterator {
   mutable std::mutex pos_mu_;
   int64_t index_ = -1;
   std::pair<int64_t, int64_t> rows_{0, 0};
-  std::unique_ptr<native::RingCore> core_;  // last: its thread stops before the rest goes
+  std::unique_ptr<ring_core::RingCore> core_;  // last: its thread stops before the rest goes
 };
 
 class StreamRing {
@@ -166,7 +166,7 @@ class StreamRing {
   std::weak_ptr<RingIterator> current_;
   std::shared_ptr<RingStats> stats_;
   std::shared_ptr<HostBufferPool> pool_;
-  std::shared_ptr<native::WorkerPool> workers_;
+  std::shared_ptr<ring_core::WorkerPool> workers_;
 };
 
 }  // namespace mbs

@@ -1,22 +1,22 @@
 // CPU kernel of mbs_ext::scale_accumulate_: one parallel pass over the elements of
-// all pairs together (small tensors never serialize), arithmetic in native/accumulate.h.
+// all pairs together (small tensors never serialize), arithmetic in accumulate/accumulate.h.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
 
-#include "native/accumulate.h"
+#include "accumulate/accumulate.h"
 #include "ops/scale_accumulate.h"
 
 namespace mbs {
 namespace {
 
-native::DType native_dtype(at::ScalarType t) {
+accumulate::DType native_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return native::DType::f32;
-    case at::kDouble: return native::DType::f64;
-    case at::kBFloat16: return native::DType::bf16;
-    case at::kHalf: return native::DType::f16;
+    case at::kFloat: return accumulate::DType::f32;
+    case at::kDouble: return accumulate::DType::f64;
+    case at::kBFloat16: return accumulate::DType::bf16;
+    case at::kHalf: return accumulate::DType::f16;
     default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported dtype ", t);
   }
 }
@@ -33,7 +33,7 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
   const double s = scale.item<double>();  // a CPU tensor here: no device sync
 
   DensePairs dense(accumulators, grads);
-  std::vector<native::Pair> pairs;
+  std::vector<accumulate::Pair> pairs;
   pairs.reserve(dense.size());
   for (size_t i = 0; i < dense.size(); ++i) {
     const at::Tensor& acc = dense.acc(i);
@@ -41,7 +41,7 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
     pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), native_dtype(acc.scalar_type()),
                      native_dtype(grad.scalar_type())});
   }
-  const native::FlatPairs flat(std::move(pairs));
+  const accumulate::FlatPairs flat(std::move(pairs));
   std::atomic<bool> bad{false};
   at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
     if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);

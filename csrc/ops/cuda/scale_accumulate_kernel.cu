@@ -3,7 +3,7 @@
 // dtype) pair present. Metadata travels as kernel arguments, scale and found_inf stay
 // on the device: no host synchronization, no host staging memory, capturable in a
 // CUDA graph. Runs on the current stream. The per-thread work is
-// native/scale_accumulate_block.h, shared with its host emulation test.
+// accumulate/scale_accumulate_block.h, shared with its host emulation test.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "native/scale_accumulate_block.h"
+#include "accumulate/scale_accumulate_block.h"
 #include "ops/cuda/multi_tensor.cuh"
 #include "ops/scale_accumulate.h"
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // The device's 16-bit floats compute in float: widened exactly, narrowed with
 // round-to-nearest-even.
@@ -40,7 +40,7 @@ template <> struct Convert<__half, double> {
   MBS_HOST_DEVICE static double to(__half v) { return static_cast<double>(__half2float(v)); }
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate
 
 namespace mbs {
 namespace {
@@ -62,7 +62,7 @@ void launch_group(const DensePairs& dense, const std::vector<size_t>& members, c
                   float* found_inf, cudaStream_t stream) {
   using DA = typename CudaType<A>::type;
   using DG = typename CudaType<G>::type;
-  using Op = native::ScaleAccumulateBlock<DA, DG>;
+  using Op = accumulate::ScaleAccumulateBlock<DA, DG>;
   std::vector<std::array<void*, 2>> addresses;
   std::vector<int64_t> numels;
   addresses.reserve(members.size());

@@ -24,7 +24,7 @@
 #define MBS_HAVE_AVX2_CLONES 0
 #endif
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
 
@@ -221,4 +221,4 @@ class FlatPairs {
   std::vector<int64_t> starts_;
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate

@@ -1,5 +1,5 @@
 // Host emulation of the CUDA scale_accumulate_ kernel: the launch plan
-// (native/multi_tensor.h) and the per-thread work (native/scale_accumulate_block.h)
+// (accumulate/multi_tensor.h) and the per-thread work (accumulate/scale_accumulate_block.h)
 // are the code the GPU runs, executed here block by block and thread by thread.
 //
 // Within a block, threads share nothing but the final OR of their flags, and no two
@@ -18,11 +18,11 @@
 #include <stdexcept>
 #include <vector>
 
-#include "native/accumulate.h"
-#include "native/scale_accumulate_block.h"
-#include "native/tests/check.h"
+#include "accumulate/accumulate.h"
+#include "accumulate/scale_accumulate_block.h"
+#include "testing/check.h"
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // Bit-pattern stand-ins for the device's bf16 and fp16, converted with the CPU
 // kernel's exact round-to-nearest-even conversions.
@@ -47,9 +47,9 @@ template <> struct Convert<F16, double> {
   static double to(F16 v) { return f16_to_f32(v.bits); }
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate
 
-using namespace mbs::native;
+using namespace mbs::accumulate;
 
 namespace {
 

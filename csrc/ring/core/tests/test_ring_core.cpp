@@ -10,10 +10,10 @@
 #include <thread>
 #include <vector>
 
-#include "native/tests/check.h"
-#include "native/ring_core.h"
+#include "testing/check.h"
+#include "ring/core/ring_core.h"
 
-using mbs::native::RingCore;
+using mbs::ring_core::RingCore;
 using Clock = std::chrono::steady_clock;
 
 namespace {

@@ -1,4 +1,4 @@
-// A tiny assertion helper for the native unit tests (no test framework needed).
+// A tiny assertion helper for the torch-free unit tests (ctest) (no test framework needed).
 #pragma once
 
 #include <cstdio>

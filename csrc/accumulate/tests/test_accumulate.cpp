@@ -7,10 +7,10 @@
 #include <thread>
 #include <vector>
 
-#include "native/accumulate.h"
-#include "native/tests/check.h"
+#include "accumulate/accumulate.h"
+#include "testing/check.h"
 
-using namespace mbs::native;
+using namespace mbs::accumulate;
 
 static void test_half_round_trip() {
   // Every half bit pattern converts to float and back unchanged (NaNs stay NaN).
