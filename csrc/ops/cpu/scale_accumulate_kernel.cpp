@@ -4,22 +4,14 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <vector>
 
 #include "accumulate/accumulate.h"
-#include "ops/scale_accumulate.h"
+#include "ops/arguments.h"
+#include "ops/dense_pairs.h"
 
 namespace mbs {
 namespace {
-
-accumulate::DType native_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return accumulate::DType::f32;
-    case at::kDouble: return accumulate::DType::f64;
-    case at::kBFloat16: return accumulate::DType::bf16;
-    case at::kHalf: return accumulate::DType::f16;
-    default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported dtype ", t);
-  }
-}
 
 // Elements per task: large enough to amortize scheduling, small enough that a
 // few hundred small tensors still spread over all threads.
@@ -38,8 +30,8 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
   for (size_t i = 0; i < dense.size(); ++i) {
     const at::Tensor& acc = dense.acc(i);
     const at::Tensor& grad = dense.grad(i);
-    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), native_dtype(acc.scalar_type()),
-                     native_dtype(grad.scalar_type())});
+    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), *float_dtype(acc.scalar_type()),
+                     *float_dtype(grad.scalar_type())});
   }
   const accumulate::FlatPairs flat(std::move(pairs));
   std::atomic<bool> bad{false};
