@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "ring/core/clock.h"
 
@@ -191,22 +192,11 @@ void RingIterator::stage(int64_t item, int slot) {
 
 std::optional<std::vector<at::Tensor>> RingIterator::next() {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!superseded_,
-              "StreamRing: this stream was closed because a new stream was started on the same ring");
-  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
+  check_usable_locked();
   if (closed_) return std::nullopt;
-  std::optional<ring_core::RingCore::Ticket> ticket;  // stays empty when a copy is pending
-  if (!pending_ && held_) {
-    ticket = held_;
-    held_.reset();
-  } else if (!pending_) {
-    try {
-      ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
-    } catch (...) {
-      stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
-      throw;
-    }
-    stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+  std::optional<Ticket> ticket;  // stays empty when a copy is pending
+  if (!pending_) {
+    ticket = next_ticket();
     if (!ticket) {
       close_locked();
       return std::nullopt;
@@ -216,54 +206,96 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   // every micro-batch in flight is dropped safely for its memory and the stream ends.
   std::optional<DeviceBatch> batch;
   try {
-    auto take = [&](const ring_core::RingCore::Ticket& t) {
-      auto& staged = staged_[static_cast<size_t>(t.slot)];
-      DeviceBatch b = transfer_->enqueue(t.item, t.slot, staged);  // staged stays until the copy is enqueued
-      staged.clear();  // before release: from then on the worker may refill the slot
-      try {
-        core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
-      } catch (...) {
-        drop(b);  // its copy is enqueued: free its memory only behind it
-        throw;
-      }
-      return b;
-    };
-    if (pending_) {
-      batch = std::move(pending_);
-      pending_.reset();
-    } else {
-      batch = take(*ticket);
-    }
-    // Overlap: when the following micro-batch is staged already, start its copy now.
-    // Optional, like the reservation: out of memory here leaves it staged, to be copied
-    // on the next call, and stops copying ahead for the rest of the stream (each such
-    // error costs the allocator a device-wide release of its cache).
-    if (copy_ahead_) {
-      if (auto ahead = core_->try_acquire()) {
-        try {
-          pending_ = take(*ahead);
-        } catch (const c10::OutOfMemoryError&) {
-          held_ = ahead;
-          copy_ahead_ = false;
-          reserve_ahead_ = false;
-        }
-      }
-    }
+    batch = pending_ ? take_pending() : take(*ticket);
+    copy_ahead();
     transfer_->deliver(*batch);
     prepare_next(pending_ ? pending_->item + 1 : batch->item + 1);
   } catch (...) {
-    if (batch) drop(*batch);
-    close_locked();
-    failed_ = describe_current_exception();  // never throws
+    end_with_error(batch);
     throw;
   }
-  {
-    std::lock_guard<std::mutex> pos(pos_mu_);
-    index_ = batch->item;
-    rows_ = ring_core::micro_batch_range(total_rows_, micro_batch_size_, batch->item);
-  }
+  record_position(batch->item);
   stats_->micro_batches.fetch_add(1);
   return std::move(batch->tensors);
+}
+
+void RingIterator::check_usable_locked() const {
+  TORCH_CHECK(!superseded_,
+              "StreamRing: this stream was closed because a new stream was started on the same ring");
+  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
+}
+
+// The next micro-batch's ticket: the one held back after an out-of-memory error copying
+// ahead, else the core's (blocks for the worker); nullopt after the last micro-batch.
+std::optional<RingIterator::Ticket> RingIterator::next_ticket() {
+  if (held_) return std::exchange(held_, std::nullopt);
+  std::optional<Ticket> ticket;
+  try {
+    ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
+  } catch (...) {
+    record_wait();
+    throw;
+  }
+  record_wait();
+  return ticket;
+}
+
+// Enqueues the copy of a staged micro-batch and gives its slot back to the worker.
+DeviceBatch RingIterator::take(const Ticket& ticket) {
+  auto& staged = staged_[static_cast<size_t>(ticket.slot)];
+  DeviceBatch batch = transfer_->enqueue(ticket.item, ticket.slot, staged);  // staged stays until the copy is enqueued
+  staged.clear();  // before release: from then on the worker may refill the slot
+  try {
+    core_->release(ticket.slot);  // the worker waits for the copy out of it before refilling it
+  } catch (...) {
+    drop(batch);  // its copy is enqueued: free its memory only behind it
+    throw;
+  }
+  return batch;
+}
+
+DeviceBatch RingIterator::take_pending() {
+  DeviceBatch batch = std::move(*pending_);
+  pending_.reset();
+  return batch;
+}
+
+// Overlap: when the following micro-batch is staged already, start its copy now.
+// Optional, like the reservation: out of memory here leaves it staged, to be copied
+// on the next call, and stops copying ahead for the rest of the stream (each such
+// error costs the allocator a device-wide release of its cache).
+void RingIterator::copy_ahead() {
+  if (!copy_ahead_) return;
+  auto ahead = core_->try_acquire();
+  if (!ahead) return;
+  try {
+    pending_ = take(*ahead);
+  } catch (const c10::OutOfMemoryError&) {
+    held_ = ahead;
+    copy_ahead_ = false;
+    reserve_ahead_ = false;
+  }
+}
+
+// A consumer-side failure: the batch in hand and every one in flight are dropped, the
+// stream closes, and later next() calls raise with what went wrong.
+void RingIterator::end_with_error(std::optional<DeviceBatch>& batch) noexcept {
+  if (batch) drop(*batch);
+  try {
+    close_locked();
+  } catch (...) {  // the failure in flight is the one to report
+  }
+  failed_ = describe_current_exception();  // never throws
+}
+
+void RingIterator::record_position(int64_t item) {
+  std::lock_guard<std::mutex> pos(pos_mu_);
+  index_ = item;
+  rows_ = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
+}
+
+void RingIterator::record_wait() {
+  stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
 }
 
 int64_t RingIterator::index() const {
@@ -304,7 +336,7 @@ void RingIterator::close_locked() {
   if (closed_) return;
   closed_ = true;
   core_->stop();  // joins the worker
-  stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+  record_wait();
   if (pending_) {
     DeviceBatch batch = std::move(*pending_);
     pending_.reset();
@@ -330,12 +362,6 @@ bool RingIterator::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
 }
-
-#ifndef MBS_EXT_WITH_CUDA
-std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int /*slots*/) {
-  TORCH_CHECK(false, "StreamRing: device ", device, " needs CUDA, but mbs_ext was built without CUDA");
-}
-#endif
 
 StreamRing::StreamRing(c10::Device device, int slots, int staging_threads)
     : device_(device),

@@ -17,7 +17,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/core/Stream.h>
 
 #include <atomic>
 #include <cstdint>
@@ -30,6 +29,7 @@
 
 #include "ring/core/ring_core.h"
 #include "ring/core/worker_pool.h"
+#include "ring/device_transfer.h"
 #include "ring/host_buffer_pool.h"
 
 namespace mbs {
@@ -43,46 +43,6 @@ struct RingStats {
   std::atomic<int64_t> staged_bytes{0};  // bytes the worker copied (0 for direct copies from pinned memory)
   std::atomic<int64_t> planned{0};
 };
-
-// One micro-batch on its way to the consumer.
-struct DeviceBatch {
-  int64_t item = -1;
-  int slot = -1;
-  std::vector<at::Tensor> tensors;
-  c10::Stream alloc_stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
-};
-
-// Where staged micro-batches go: HostTransfer (CPU) or CudaTransfer.
-class DeviceTransfer {
- public:
-  virtual ~DeviceTransfer() = default;
-  // Whether rows of this batch tensor must be copied by the worker; false when the
-  // transfer can read the batch itself (a pinned batch on a CUDA ring).
-  virtual bool needs_staging(const at::Tensor& leaf) const = 0;
-  // Worker thread: a contiguous host tensor to stage leaf `leaf` of slot `slot` into.
-  virtual at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) = 0;
-  // Worker thread: blocks until nothing reads `slot`'s staging memory any more.
-  virtual void wait_copied(int slot) = 0;
-  // Consumer: reserves device memory for micro-batch `item` (in `slot`) on the
-  // current stream now, before the consumer enqueues more compute, so that its copy
-  // later waits only for work enqueued before this point (a per-slot event), never
-  // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise,
-  // so the ring ignores an out-of-memory error here (it leaves nothing reserved).
-  virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) = 0;
-  // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
-  // tensors on the current stream, copy enqueued on the copy stream). If it throws,
-  // nothing it enqueued can still touch memory that is freed or reused afterwards.
-  virtual DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) = 0;
-  // Consumer: makes the batch usable on the current stream (device-side waits only).
-  virtual void deliver(DeviceBatch& batch) = 0;
-  // Consumer: drops a batch that will never be handed out, safely for its memory.
-  virtual void discard(DeviceBatch& batch) = 0;
-  // Consumer, when the stream closes: gives back memory prepare() reserved.
-  virtual void release_reserved() noexcept = 0;
-};
-
-std::unique_ptr<DeviceTransfer> make_host_transfer(std::shared_ptr<HostBufferPool> pool);
-std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int slots);  // needs a CUDA build
 
 // One stream of micro-batches over one batch (Python: mbs_ext.RingIterator).
 class RingIterator {
@@ -110,8 +70,19 @@ class RingIterator {
   bool closed() const;
 
  private:
+  using Ticket = ring_core::RingCore::Ticket;
+
   void stage(int64_t item, int slot);  // worker thread
-  void prepare_next(int64_t item);      // consumer: reserve device memory for `item`
+  // The steps of next(), consumer side, under mu_.
+  void check_usable_locked() const;
+  std::optional<Ticket> next_ticket();
+  DeviceBatch take(const Ticket& ticket);
+  DeviceBatch take_pending();
+  void copy_ahead();
+  void prepare_next(int64_t item);  // reserve device memory for `item`
+  void end_with_error(std::optional<DeviceBatch>& batch) noexcept;
+  void record_position(int64_t item);
+  void record_wait();
   void close_locked();
   void drop(DeviceBatch& batch) noexcept;  // discard() that never throws (error paths)
 
@@ -131,7 +102,7 @@ class RingIterator {
   bool superseded_ = false;
   std::string failed_;  // why a consumer-side failure ended the stream
   std::optional<DeviceBatch> pending_;              // the next micro-batch, its copy enqueued
-  std::optional<ring_core::RingCore::Ticket> held_;    // the next micro-batch, acquired but not copied yet
+  std::optional<Ticket> held_;                      // the next micro-batch, acquired but not copied yet
   bool copy_ahead_ = true;                          // off after an out-of-memory error copying ahead
   bool reserve_ahead_ = true;                       // off after a failed reservation
   // Position of the last micro-batch handed out: its own lock, so that index()/rows()
