@@ -11,3 +11,15 @@
       std::exit(1);                                                           \
     }                                                                         \
   } while (0)
+
+// Checks that `statement` throws an exception of type `exception`.
+#define MBS_CHECK_THROWS(exception, ...)                                      \
+  do {                                                                        \
+    bool mbs_threw = false;                                                   \
+    try {                                                                     \
+      __VA_ARGS__;                                                            \
+    } catch (const exception&) {                                              \
+      mbs_threw = true;                                                       \
+    }                                                                         \
+    MBS_CHECK(mbs_threw);                                                     \
+  } while (0)

@@ -40,13 +40,7 @@ void test_split_sizes() {
       }
     }
   }
-  bool threw = false;
-  try {
-    mbs::ring_core::split_sizes(5, 0);
-  } catch (const std::invalid_argument&) {
-    threw = true;
-  }
-  MBS_CHECK(threw);
+  MBS_CHECK_THROWS(std::invalid_argument, mbs::ring_core::split_sizes(5, 0));
 }
 
 void test_exactly_once() {
