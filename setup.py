@@ -83,9 +83,11 @@ def _extension():
         # cpp_extension read CUDA_HOME at import time; refresh it with the real toolkit.
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
 
-    sources = sorted(glob.glob("csrc/ops/*.cpp") + glob.glob("csrc/ops/cpu/*.cpp"))
-    sources += sorted(glob.glob("csrc/ring/*.cpp") + glob.glob("csrc/native/*.cpp"))
-    sources += ["csrc/module.cpp"]
+    def cpp_sources(*dirs: str, ext: str = "cpp") -> list[str]:
+        return sorted(f for d in dirs for f in glob.glob(f"csrc/{d}/*.{ext}"))
+
+    # Each directory is one subsystem; cuda/ directories only in a CUDA build, no_cuda/ only without.
+    sources = ["csrc/module.cpp"] + cpp_sources("build_info", "ops", "ops/cpu", "ring", "ring/cpu", "ring/core")
     define_macros: list[tuple[str, str | None]] = []
     cxx_flags = ["-O3", "-fvisibility=hidden"]
     extra_link: list[str] = []
@@ -95,11 +97,12 @@ def _extension():
         extra_link.append("-fopenmp")
     define_macros.append(("MBS_EXT_OPENMP", "1" if openmp else "0"))
     if use_cuda:
-        sources += sorted(glob.glob("csrc/ops/cuda/*.cu") + glob.glob("csrc/ring/cuda/*.cpp"))
+        sources += cpp_sources("build_info", "ops/cuda", ext="cu") + cpp_sources("ring/cuda")
         define_macros.append(("MBS_EXT_WITH_CUDA", "1"))
         cls = cpp_extension.CUDAExtension
         extra = {"cxx": cxx_flags, "nvcc": ["-O3"]}
     else:
+        sources += cpp_sources("ring/no_cuda")
         cls = cpp_extension.CppExtension
         extra = {"cxx": cxx_flags}
     return cls(

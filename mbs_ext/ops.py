@@ -1,13 +1,10 @@
 """Python face of the fused ``mbs_ext::scale_accumulate_`` op.
 
-Every argument is validated here, before the dispatcher sees it, and errors name the
-argument (``grads[3]``): no bad input reaches C++, so no error is ever raised from
-inside a kernel on this path. The C++ kernels repeat each check once, so that a
-call straight through ``torch.ops`` cannot reach a kernel with bad arguments either.
-
-The per-pair scan and the overlap sweep run in C++ (``_C._scan_arguments``):
-with thousands of small tensors a Python loop would cost more than the op itself.
-Those helpers only point at a suspect pair; the error and its wording come from here.
+Every argument is validated before the dispatcher sees it, and errors name the argument
+(``grads[3]``). The checks are C++ (csrc/ops/arguments.h), written once for the kernels
+and for the scan that ``_C`` runs for this module: with thousands of small tensors a
+Python loop would cost more than the op itself. Here the arguments are converted (lists,
+a number as scale, a missing found_inf) and the fault the scan reports is raised.
 """
 
 from __future__ import annotations
@@ -60,7 +57,6 @@ def _check_tensor(name: str, i: int, t: object, device: torch.device | None, gra
 
 
 def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mode: bool) -> None:
-    """Raises the named error for a bad pair (the slow path of `_check_pairs`)."""
     _check_tensor("accumulators", i, acc, device, grad_mode)
     _check_tensor("grads", i, grad, device, grad_mode)
     if acc.shape != grad.shape:
@@ -71,55 +67,30 @@ def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mo
         )
 
 
-def _check_pairs(accumulators: list, grads: list) -> torch.device | None:
-    """Validates the two lists' lengths and first element; returns their device (None when
-    they are empty). The other pairs are checked by `_check_arguments`."""
+def _check_traced_pairs(accumulators: list, grads: list, grad_mode: bool) -> None:
+    """The pair checks while torch.compile traces, or on fake tensors: dynamo cannot trace
+    into the C++ scan (checked here, the checks become guards) and fake tensors have no
+    addresses (the overlap check is left to the kernels, which see real ones)."""
     if len(accumulators) != len(grads):
         raise ValueError(
             f"accumulators and grads must have the same length, got {len(accumulators)} accumulators "
             f"and {len(grads)} grads"
         )
-    if not accumulators:
-        return None
-    first = _check_tensor("accumulators", 0, accumulators[0], None, torch.is_grad_enabled())
-    if first.device.type not in _DEVICE_TYPES:
-        raise ValueError(f"accumulators[0] is on {first.device}; scale_accumulate_ runs on cpu and cuda tensors")
-    return first.device
+    for i, (acc, grad) in enumerate(zip(accumulators, grads)):
+        _check_pair(i, acc, grad, accumulators[0].device if i else None, grad_mode)
 
 
-_LISTS = ("accumulators", "grads", "found_inf", "scale")
+def _raise(fault: tuple[str, str] | None) -> None:
+    """Raises a fault the C++ scan reports as ``("type" | "value", message)``.
 
-
-def _check_arguments(
-    accumulators: list, grads: list, device: torch.device, scale: torch.Tensor, found_inf: torch.Tensor
-) -> None:
-    """Every pair, then memory overlap: no written tensor (an accumulator, found_inf) may
-    share memory with any other argument, because the kernels update all pairs in parallel
-    and an overlap would be a data race. Views of one buffer that interleave without sharing
-    elements are refused too (address ranges are compared).
-
-    Eagerly, one pass in C++ (``_C._scan_arguments``) points at the first suspect pair, which
-    `_check_pair` then names, and sweeps the sorted address ranges. Traced or with fake
-    tensors, the pairs are checked here (the checks become guards) and the overlap check is
-    left to the kernels, which see real addresses.
+    The scan returns faults rather than raising them, so the error is raised here, in
+    Python: a c10::Error thrown out of the extension (through the dispatcher or a binding)
+    crashes the process on some torch 2.11 builds (GCC 13.3), so on this path no bad
+    argument ever makes C++ throw.
     """
-    grad_mode = torch.is_grad_enabled()
-    if torch.compiler.is_compiling() or isinstance(found_inf, FakeTensor):
-        for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-            _check_pair(i, acc, grad, device, grad_mode)
-        return
-    start = 0
-    while True:
-        suspect, hit = _C._scan_arguments(accumulators, grads, scale, found_inf, grad_mode, start)
-        if suspect < 0:
-            break
-        _check_pair(suspect, accumulators[suspect], grads[suspect], device, grad_mode)
-        start = suspect + 1
-    if hit:
-        a, b = (_LISTS[hit[k]] + (f"[{hit[k + 1]}]" if hit[k] < 2 else "") for k in (0, 2))
-        raise ValueError(
-            f"{a} and {b} may share memory; accumulators and found_inf must not overlap any other argument"
-        )
+    if fault is not None:
+        kind, message = fault
+        raise (TypeError if kind == "type" else ValueError)(message)
 
 
 def _as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -185,19 +156,29 @@ def scale_accumulate_(
     """
     accumulators = _as_list("accumulators", accumulators)
     grads = _as_list("grads", grads)
-    device = _check_pairs(accumulators, grads)
-    if device is None:  # no pairs: the flag's (or scale's) device, else the CPU
+    grad_mode = torch.is_grad_enabled()
+    traced = torch.compiler.is_compiling() or any(
+        isinstance(t, FakeTensor) for t in (found_inf, *accumulators[:1], *grads[:1])
+    )
+    if traced:
+        _check_traced_pairs(accumulators, grads, grad_mode)
+    else:
+        _raise(_C._pair_fault(accumulators, grads, grad_mode))  # lengths, devices, every pair
+    if accumulators:
+        device = accumulators[0].device
+    else:  # no pairs: the flag's (or scale's) device, else the CPU
         if isinstance(found_inf, torch.Tensor):
             device = found_inf.device
         elif isinstance(scale, torch.Tensor):
             device = scale.device
         else:
             device = torch.device("cpu")
-        if device.type not in _DEVICE_TYPES:
-            raise ValueError(f"found_inf is on {device}; scale_accumulate_ runs on cpu and cuda tensors")
+    if device.type not in _DEVICE_TYPES:
+        raise ValueError(f"the tensors are on {device}; scale_accumulate_ runs on cpu and cuda tensors")
     scale_t = _as_scale(scale, device)
     found_inf = _as_found_inf(found_inf, device)
     if accumulators:
-        _check_arguments(accumulators, grads, device, scale_t, found_inf)
+        if not traced:
+            _raise(_C._overlap_fault(accumulators, grads, scale_t, found_inf))
         _OP(accumulators, grads, scale_t, found_inf)
     return found_inf

@@ -1,90 +1,108 @@
-// The hot half of mbs_ext.scale_accumulate_'s argument checks, for Python.
+// The op's argument checks (ops/arguments.h) over Python lists, for mbs_ext/ops.py.
 //
-// mbs_ext/ops.py names every bad argument itself; what it needs from C++ is speed: with
-// thousands of small tensors, a per-element loop in Python costs more than the fused op
-// it guards (about 1 us per pair). The scan here only answers questions ("which pair
-// looks wrong first?", "which arguments overlap?"); it never raises for bad tensors,
-// so every error the user sees is raised, and worded, in Python.
+// With thousands of small tensors a per-element loop in Python costs more than the
+// fused op it guards (about 1 us per pair), so the scan runs here. It never raises for
+// bad arguments: it returns the fault, and ops.py raises it (see there for why).
+// Borrowed references only: no tensor is copied or counted.
 #include "ops/bindings.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
-#include <vector>
+#include <utility>
 
-#include "ops/scale_accumulate.h"
+#include "ops/arguments.h"
 
 namespace mbs {
 namespace {
 
 namespace py = pybind11;
 
-// True when a list element is a dense float tensor on `device` that may be handed to the
-// op (and, for an accumulator, written in place). Mirrors ops.py's per-pair checks.
-// `out` points at the tensor whenever the element is one.
-bool plausible(PyObject* obj, const c10::Device& device, bool grad_mode, const at::Tensor** out) {
-  if (!THPVariable_Check(obj)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  *out = &t;
-  if (!t.defined() || t.layout() != at::kStrided || !is_supported_float(t.scalar_type()) || t.device() != device) {
-    return false;
-  }
-  return !(grad_mode && t.requires_grad());
+const at::Tensor* as_tensor(PyObject* obj) { return THPVariable_Check(obj) ? &THPVariable_Unpack(obj) : nullptr; }
+
+// Element i of `list` (named `name`), or the fault that it is no tensor.
+std::pair<const at::Tensor*, MaybeFault> element(const py::list& list, const char* name, int64_t i) {
+  PyObject* obj = PyList_GET_ITEM(list.ptr(), i);
+  if (const at::Tensor* t = as_tensor(obj)) return {t, std::nullopt};
+  return {nullptr, Fault{Fault::Kind::Type, c10::str(name, "[", i, "] must be a torch.Tensor, got ", Py_TYPE(obj)->tp_name)}};
 }
 
-bool expanded(const at::Tensor& t) {
-  if (t.is_contiguous()) return false;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.stride(d) == 0 && t.size(d) > 1) return true;
-  }
-  return false;
-}
-
-// One pass over the two lists, which ops.py has already found equal in length, with a
-// tensor accumulators[0] and with scale and found_inf checked. Returns (i, []) for the
-// first pair at or after `start` that some check may refuse; else (-1, hit) with hit = []
-// when no written argument shares memory with another, or [list, index, list, index]
-// (lists: 0 accumulators, 1 grads, 2 found_inf, 3 scale). Pairs before `start` have been
-// checked already. Borrowed references only: no tensor is copied or counted.
-py::tuple scan(const py::list& accumulators, const py::list& grads, const at::Tensor& scale,
-               const at::Tensor& found_inf, bool grad_mode, int64_t start) {
+// The first refused pair at or after `start` and its fault; (-1, none) when every pair
+// passes. Lengths and accumulators[0]'s device count as pair 0's.
+std::pair<int64_t, MaybeFault> first_pair_fault(const py::list& accumulators, const py::list& grads, bool grad_mode,
+                                                int64_t start) {
   const auto n = static_cast<int64_t>(PyList_GET_SIZE(accumulators.ptr()));
-  if (static_cast<int64_t>(PyList_GET_SIZE(grads.ptr())) != n) return py::make_tuple(0, py::list());
-  if (n > 0 && !THPVariable_Check(PyList_GET_ITEM(accumulators.ptr(), 0))) return py::make_tuple(0, py::list());
-  const c10::Device device =
-      n > 0 ? THPVariable_Unpack(PyList_GET_ITEM(accumulators.ptr(), 0)).device() : found_inf.device();
-  std::vector<Extent> extents;
-  extents.reserve(static_cast<size_t>(2 * n + 2));
-  for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor* acc = nullptr;
-    const at::Tensor* grad = nullptr;
-    const bool acc_ok = plausible(PyList_GET_ITEM(accumulators.ptr(), i), device, grad_mode, &acc);
-    const bool grad_ok = plausible(PyList_GET_ITEM(grads.ptr(), i), device, grad_mode, &grad);
-    const bool fine = acc_ok && grad_ok && acc->sizes() == grad->sizes() && !expanded(*acc);
-    if (!fine && i >= start) return py::make_tuple(i, py::list());
-    // A pair before `start` that looked suspect here passed ops.py's checks: it still owns memory.
-    if (acc != nullptr && grad != nullptr && acc->defined() && grad->defined() && acc->numel() > 0) {
-      extents.push_back(extent_of(*acc, 0, i));
-      extents.push_back(extent_of(*grad, 1, i));
+  if (auto fault = lengths_fault(static_cast<size_t>(n), PyList_GET_SIZE(grads.ptr()))) return {0, fault};
+  if (n == 0) return {-1, std::nullopt};
+  const auto [first, not_tensor] = element(accumulators, "accumulators", 0);
+  if (not_tensor) return {0, not_tensor};
+  const c10::Device device = first->device();
+  if (auto fault = device_fault(device, "accumulators[0]")) return {0, fault};
+  for (int64_t i = start; i < n; ++i) {
+    auto [acc, acc_fault] = element(accumulators, "accumulators", i);
+    if (acc_fault) return {i, acc_fault};
+    auto [grad, grad_fault] = element(grads, "grads", i);
+    if (grad_fault) return {i, grad_fault};
+    if (auto fault = pair_fault(*acc, *grad, static_cast<size_t>(i), device, grad_mode)) return {i, fault};
+  }
+  return {-1, std::nullopt};
+}
+
+// The first two arguments that share memory (see Extents), for pairs that passed.
+std::optional<std::pair<Extent, Extent>> first_overlap(const py::list& accumulators, const py::list& grads,
+                                                       const at::Tensor& scale, const at::Tensor& found_inf) {
+  const auto n = static_cast<size_t>(PyList_GET_SIZE(accumulators.ptr()));
+  Extents extents(n);
+  for (size_t i = 0; i < n && i < static_cast<size_t>(PyList_GET_SIZE(grads.ptr())); ++i) {
+    const at::Tensor* acc = as_tensor(PyList_GET_ITEM(accumulators.ptr(), i));
+    const at::Tensor* grad = as_tensor(PyList_GET_ITEM(grads.ptr(), i));
+    if (acc != nullptr && grad != nullptr && acc->defined() && grad->defined()) extents.add_pair(*acc, *grad, i);
+  }
+  extents.add_scalars(scale, found_inf);
+  return extents.first_overlap();
+}
+
+py::object as_python(const MaybeFault& fault) {
+  if (!fault) return py::none();
+  return py::make_tuple(fault->kind == Fault::Kind::Type ? "type" : "value", fault->message);
+}
+
+// The older form of the two scans in one call: (first refused pair from `start` on, [])
+// or (-1, [list, index, list, index] of the first overlap, or []); lists: 0
+// accumulators, 1 grads, 2 found_inf, 3 scale.
+py::tuple scan_arguments(const py::list& accumulators, const py::list& grads, const at::Tensor& scale,
+                         const at::Tensor& found_inf, bool grad_mode, int64_t start) {
+  const int64_t suspect = first_pair_fault(accumulators, grads, grad_mode, start).first;
+  py::list hit;
+  if (suspect >= 0) return py::make_tuple(suspect, hit);
+  if (const auto overlap = first_overlap(accumulators, grads, scale, found_inf)) {
+    for (const Extent* e : {&overlap->first, &overlap->second}) {
+      hit.append(e->list);
+      hit.append(e->index);
     }
   }
-  extents.push_back(extent_of(found_inf, 2, 0));
-  if (scale.device() == found_inf.device()) extents.push_back(extent_of(scale, 3, 0));
-  const auto hit = first_overlap(extents);
-  py::list out;
-  if (hit) {
-    for (const Extent* e : {&hit->first, &hit->second}) {
-      out.append(e->list);
-      out.append(e->index);
-    }
-  }
-  return py::make_tuple(-1, out);
+  return py::make_tuple(-1, hit);
 }
 
 }  // namespace
 
 void bind_scale_accumulate_checks(py::module_& m) {
-  m.def("_scan_arguments", &scan, py::arg("accumulators"), py::arg("grads"), py::arg("scale"),
+  m.def(
+      "_pair_fault",
+      [](const py::list& accumulators, const py::list& grads, bool grad_mode) {
+        return as_python(first_pair_fault(accumulators, grads, grad_mode, 0).second);
+      },
+      py::arg("accumulators"), py::arg("grads"), py::arg("grad_mode"),
+      "None, or (\"type\"|\"value\", message) for the first refused pair (lengths and devices included)");
+  m.def(
+      "_overlap_fault",
+      [](const py::list& accumulators, const py::list& grads, const at::Tensor& scale, const at::Tensor& found_inf) {
+        const auto overlap = first_overlap(accumulators, grads, scale, found_inf);
+        return as_python(overlap ? MaybeFault(Extents::fault(*overlap)) : std::nullopt);
+      },
+      py::arg("accumulators"), py::arg("grads"), py::arg("scale"), py::arg("found_inf"),
+      "None, or (\"value\", message) naming the first two arguments that share memory");
+  m.def("_scan_arguments", &scan_arguments, py::arg("accumulators"), py::arg("grads"), py::arg("scale"),
         py::arg("found_inf"), py::arg("grad_mode"), py::arg("start"),
         "(first suspect pair from `start` on, []) or (-1, the first two arguments that share memory or [])");
 }

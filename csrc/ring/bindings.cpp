@@ -9,7 +9,7 @@ namespace mbs {
 namespace py = pybind11;
 
 void bind_stream_ring(py::module_& m) {
-  m.def("split_sizes", &native::split_sizes, py::arg("rows"), py::arg("micro_batch_size"),
+  m.def("split_sizes", &ring_core::split_sizes, py::arg("rows"), py::arg("micro_batch_size"),
         "Balanced micro-batch sizes (the ring's rule; mbs_ext.batch.split_sizes is the same)");
   py::class_<RingIterator, std::shared_ptr<RingIterator>>(m, "RingIterator",
                                                       "One stream of micro-batches (use mbs_ext.StreamRing)")

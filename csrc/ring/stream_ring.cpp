@@ -5,15 +5,16 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
-#include "native/clock.h"
+#include "ring/core/clock.h"
 
 namespace mbs {
 
 namespace {
 
-using native::Clock;
-using native::ns_since;
+using ring_core::Clock;
+using ring_core::ns_since;
 
 // Defensive checks only: mbs_ext.ring validates the batch with the messages users see.
 int64_t rows_of(const std::vector<at::Tensor>& leaves) {
@@ -113,12 +114,12 @@ std::vector<at::Tensor> aliases(std::vector<at::Tensor> leaves) {
 
 RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
                            std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
-                           std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers)
+                           std::shared_ptr<HostBufferPool> pool, std::shared_ptr<ring_core::WorkerPool> workers)
     : leaves_(aliases(std::move(leaves))),
       micro_batch_size_(micro_batch_size),
       indices_(checked_indices(indices, rows_of(leaves_))),
       total_rows_(indices_.defined() ? indices_.numel() : rows_of(leaves_)),
-      items_(native::num_micro_batches(total_rows_, std::max<int64_t>(micro_batch_size, 1))),
+      items_(ring_core::num_micro_batches(total_rows_, std::max<int64_t>(micro_batch_size, 1))),
       stats_(std::move(stats)),
       workers_(std::move(workers)) {
   TORCH_CHECK_VALUE(micro_batch_size >= 1, "StreamRing: micro_batch_size must be >= 1, got ", micro_batch_size);
@@ -133,7 +134,7 @@ RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor
   pool->cache_at_least(leaves_.size() * (static_cast<size_t>(slots) + 3));
   staged_.resize(static_cast<size_t>(slots));
   stats_->planned.store(items_);
-  core_ = std::make_unique<native::RingCore>(slots, items_, [this](int64_t item, int slot) { stage(item, slot); });
+  core_ = std::make_unique<ring_core::RingCore>(slots, items_, [this](int64_t item, int slot) { stage(item, slot); });
 }
 
 RingIterator::~RingIterator() {
@@ -146,7 +147,7 @@ RingIterator::~RingIterator() {
 void RingIterator::stage(int64_t item, int slot) {
   const auto t0 = Clock::now();
   c10::AutoGradMode no_grad(false);
-  const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  const auto [start, stop] = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
   const int64_t len = stop - start;
   transfer_->wait_copied(slot);  // nothing reads the slot's staging memory any more
   std::vector<at::Tensor> out;
@@ -169,7 +170,7 @@ void RingIterator::stage(int64_t item, int slot) {
         const int64_t row_bytes = (len > 0 ? dst.numel() / len : 0) * elem;
         const char* base = static_cast<const char*>(src.const_data_ptr());
         if (!idx) base += start * src.stride(0) * elem;
-        native::copy_rows(*workers_, dst.mutable_data_ptr(), base, row_bytes, src.stride(0) * elem, idx, len);
+        ring_core::copy_rows(*workers_, dst.mutable_data_ptr(), base, row_bytes, src.stride(0) * elem, idx, len);
       } else if (idx) {  // rare layouts: torch's own kernels
         at::index_select_out(dst, src, 0, indices_.narrow(0, start, len));
       } else {
@@ -191,22 +192,11 @@ void RingIterator::stage(int64_t item, int slot) {
 
 std::optional<std::vector<at::Tensor>> RingIterator::next() {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!superseded_,
-              "StreamRing: this stream was closed because a new stream was started on the same ring");
-  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
+  check_usable_locked();
   if (closed_) return std::nullopt;
-  std::optional<native::RingCore::Ticket> ticket;  // stays empty when a copy is pending
-  if (!pending_ && held_) {
-    ticket = held_;
-    held_.reset();
-  } else if (!pending_) {
-    try {
-      ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
-    } catch (...) {
-      stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
-      throw;
-    }
-    stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+  std::optional<Ticket> ticket;  // stays empty when a copy is pending
+  if (!pending_) {
+    ticket = next_ticket();
     if (!ticket) {
       close_locked();
       return std::nullopt;
@@ -216,54 +206,96 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
   // every micro-batch in flight is dropped safely for its memory and the stream ends.
   std::optional<DeviceBatch> batch;
   try {
-    auto take = [&](const native::RingCore::Ticket& t) {
-      auto& staged = staged_[static_cast<size_t>(t.slot)];
-      DeviceBatch b = transfer_->enqueue(t.item, t.slot, staged);  // staged stays until the copy is enqueued
-      staged.clear();  // before release: from then on the worker may refill the slot
-      try {
-        core_->release(t.slot);  // the worker waits for the copy out of it before refilling it
-      } catch (...) {
-        drop(b);  // its copy is enqueued: free its memory only behind it
-        throw;
-      }
-      return b;
-    };
-    if (pending_) {
-      batch = std::move(pending_);
-      pending_.reset();
-    } else {
-      batch = take(*ticket);
-    }
-    // Overlap: when the following micro-batch is staged already, start its copy now.
-    // Optional, like the reservation: out of memory here leaves it staged, to be copied
-    // on the next call, and stops copying ahead for the rest of the stream (each such
-    // error costs the allocator a device-wide release of its cache).
-    if (copy_ahead_) {
-      if (auto ahead = core_->try_acquire()) {
-        try {
-          pending_ = take(*ahead);
-        } catch (const c10::OutOfMemoryError&) {
-          held_ = ahead;
-          copy_ahead_ = false;
-          reserve_ahead_ = false;
-        }
-      }
-    }
+    batch = pending_ ? take_pending() : take(*ticket);
+    copy_ahead();
     transfer_->deliver(*batch);
     prepare_next(pending_ ? pending_->item + 1 : batch->item + 1);
   } catch (...) {
-    if (batch) drop(*batch);
-    close_locked();
-    failed_ = describe_current_exception();  // never throws
+    end_with_error(batch);
     throw;
   }
-  {
-    std::lock_guard<std::mutex> pos(pos_mu_);
-    index_ = batch->item;
-    rows_ = native::micro_batch_range(total_rows_, micro_batch_size_, batch->item);
-  }
+  record_position(batch->item);
   stats_->micro_batches.fetch_add(1);
   return std::move(batch->tensors);
+}
+
+void RingIterator::check_usable_locked() const {
+  TORCH_CHECK(!superseded_,
+              "StreamRing: this stream was closed because a new stream was started on the same ring");
+  TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
+}
+
+// The next micro-batch's ticket: the one held back after an out-of-memory error copying
+// ahead, else the core's (blocks for the worker); nullopt after the last micro-batch.
+std::optional<RingIterator::Ticket> RingIterator::next_ticket() {
+  if (held_) return std::exchange(held_, std::nullopt);
+  std::optional<Ticket> ticket;
+  try {
+    ticket = core_->acquire();  // a worker failure surfaces here, at its micro-batch, and stays
+  } catch (...) {
+    record_wait();
+    throw;
+  }
+  record_wait();
+  return ticket;
+}
+
+// Enqueues the copy of a staged micro-batch and gives its slot back to the worker.
+DeviceBatch RingIterator::take(const Ticket& ticket) {
+  auto& staged = staged_[static_cast<size_t>(ticket.slot)];
+  DeviceBatch batch = transfer_->enqueue(ticket.item, ticket.slot, staged);  // staged stays until the copy is enqueued
+  staged.clear();  // before release: from then on the worker may refill the slot
+  try {
+    core_->release(ticket.slot);  // the worker waits for the copy out of it before refilling it
+  } catch (...) {
+    drop(batch);  // its copy is enqueued: free its memory only behind it
+    throw;
+  }
+  return batch;
+}
+
+DeviceBatch RingIterator::take_pending() {
+  DeviceBatch batch = std::move(*pending_);
+  pending_.reset();
+  return batch;
+}
+
+// Overlap: when the following micro-batch is staged already, start its copy now.
+// Optional, like the reservation: out of memory here leaves it staged, to be copied
+// on the next call, and stops copying ahead for the rest of the stream (each such
+// error costs the allocator a device-wide release of its cache).
+void RingIterator::copy_ahead() {
+  if (!copy_ahead_) return;
+  auto ahead = core_->try_acquire();
+  if (!ahead) return;
+  try {
+    pending_ = take(*ahead);
+  } catch (const c10::OutOfMemoryError&) {
+    held_ = ahead;
+    copy_ahead_ = false;
+    reserve_ahead_ = false;
+  }
+}
+
+// A consumer-side failure: the batch in hand and every one in flight are dropped, the
+// stream closes, and later next() calls raise with what went wrong.
+void RingIterator::end_with_error(std::optional<DeviceBatch>& batch) noexcept {
+  if (batch) drop(*batch);
+  try {
+    close_locked();
+  } catch (...) {  // the failure in flight is the one to report
+  }
+  failed_ = describe_current_exception();  // never throws
+}
+
+void RingIterator::record_position(int64_t item) {
+  std::lock_guard<std::mutex> pos(pos_mu_);
+  index_ = item;
+  rows_ = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
+}
+
+void RingIterator::record_wait() {
+  stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
 }
 
 int64_t RingIterator::index() const {
@@ -278,7 +310,7 @@ std::pair<int64_t, int64_t> RingIterator::rows() const {
 
 void RingIterator::prepare_next(int64_t item) {
   if (!reserve_ahead_ || item >= items_) return;
-  const auto [start, stop] = native::micro_batch_range(total_rows_, micro_batch_size_, item);
+  const auto [start, stop] = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
   try {
     transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
   } catch (const c10::OutOfMemoryError&) {
@@ -304,7 +336,7 @@ void RingIterator::close_locked() {
   if (closed_) return;
   closed_ = true;
   core_->stop();  // joins the worker
-  stats_->wait_ns.store(static_cast<int64_t>(core_->wait_seconds() * 1e9));
+  record_wait();
   if (pending_) {
     DeviceBatch batch = std::move(*pending_);
     pending_.reset();
@@ -331,12 +363,6 @@ bool RingIterator::closed() const {
   return closed_;
 }
 
-#ifndef MBS_EXT_WITH_CUDA
-std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int /*slots*/) {
-  TORCH_CHECK(false, "StreamRing: device ", device, " needs CUDA, but mbs_ext was built without CUDA");
-}
-#endif
-
 StreamRing::StreamRing(c10::Device device, int slots, int staging_threads)
     : device_(device),
       slots_(slots),
@@ -346,7 +372,7 @@ StreamRing::StreamRing(c10::Device device, int slots, int staging_threads)
   TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "StreamRing: device must be cpu or cuda, got ", device);
   TORCH_CHECK_VALUE(staging_threads >= 1 && staging_threads <= 256,
                     "StreamRing: staging_threads must be in [1, 256], got ", staging_threads);
-  workers_ = std::make_shared<native::WorkerPool>(staging_threads);
+  workers_ = std::make_shared<ring_core::WorkerPool>(staging_threads);
 }
 
 StreamRing::~StreamRing() {

@@ -1,9 +1,9 @@
 // StreamRing: streams a host batch to a device in micro-batches, staged by a
-// background C++ thread through a fixed ring of slots (native::RingCore). Staging
+// background C++ thread through a fixed ring of slots (ring_core::RingCore). Staging
 // copies run on the ring's own WorkerPool (staging_threads), never on torch's
 // intra-op threads, so torch.set_num_threads does not change them.
 //
-// Micro-batches are balanced (native::split_sizes): sizes differ by at most one.
+// Micro-batches are balanced (ring_core::split_sizes): sizes differ by at most one.
 //
 // One path for every device: the worker stages micro-batch i into slot i % slots
 // (or, from a pinned batch on a CUDA ring, takes a view: nothing to stage), and the
@@ -17,7 +17,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/core/Stream.h>
 
 #include <atomic>
 #include <cstdint>
@@ -28,8 +27,9 @@
 #include <utility>
 #include <vector>
 
-#include "native/ring_core.h"
-#include "native/worker_pool.h"
+#include "ring/core/ring_core.h"
+#include "ring/core/worker_pool.h"
+#include "ring/device_transfer.h"
 #include "ring/host_buffer_pool.h"
 
 namespace mbs {
@@ -44,52 +44,12 @@ struct RingStats {
   std::atomic<int64_t> planned{0};
 };
 
-// One micro-batch on its way to the consumer.
-struct DeviceBatch {
-  int64_t item = -1;
-  int slot = -1;
-  std::vector<at::Tensor> tensors;
-  c10::Stream alloc_stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
-};
-
-// Where staged micro-batches go: HostTransfer (CPU) or CudaTransfer.
-class DeviceTransfer {
- public:
-  virtual ~DeviceTransfer() = default;
-  // Whether rows of this batch tensor must be copied by the worker; false when the
-  // transfer can read the batch itself (a pinned batch on a CUDA ring).
-  virtual bool needs_staging(const at::Tensor& leaf) const = 0;
-  // Worker thread: a contiguous host tensor to stage leaf `leaf` of slot `slot` into.
-  virtual at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) = 0;
-  // Worker thread: blocks until nothing reads `slot`'s staging memory any more.
-  virtual void wait_copied(int slot) = 0;
-  // Consumer: reserves device memory for micro-batch `item` (in `slot`) on the
-  // current stream now, before the consumer enqueues more compute, so that its copy
-  // later waits only for work enqueued before this point (a per-slot event), never
-  // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise,
-  // so the ring ignores an out-of-memory error here (it leaves nothing reserved).
-  virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) = 0;
-  // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
-  // tensors on the current stream, copy enqueued on the copy stream). If it throws,
-  // nothing it enqueued can still touch memory that is freed or reused afterwards.
-  virtual DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) = 0;
-  // Consumer: makes the batch usable on the current stream (device-side waits only).
-  virtual void deliver(DeviceBatch& batch) = 0;
-  // Consumer: drops a batch that will never be handed out, safely for its memory.
-  virtual void discard(DeviceBatch& batch) = 0;
-  // Consumer, when the stream closes: gives back memory prepare() reserved.
-  virtual void release_reserved() noexcept = 0;
-};
-
-std::unique_ptr<DeviceTransfer> make_host_transfer(std::shared_ptr<HostBufferPool> pool);
-std::unique_ptr<DeviceTransfer> make_cuda_transfer(c10::Device device, int slots);  // needs a CUDA build
-
 // One stream of micro-batches over one batch (Python: mbs_ext.RingIterator).
 class RingIterator {
  public:
   RingIterator(c10::Device device, int slots, std::vector<at::Tensor> leaves, int64_t micro_batch_size,
                std::optional<at::Tensor> indices, std::shared_ptr<RingStats> stats,
-               std::shared_ptr<HostBufferPool> pool, std::shared_ptr<native::WorkerPool> workers);
+               std::shared_ptr<HostBufferPool> pool, std::shared_ptr<ring_core::WorkerPool> workers);
   ~RingIterator();
   RingIterator(const RingIterator&) = delete;
   RingIterator& operator=(const RingIterator&) = delete;
@@ -110,8 +70,19 @@ class RingIterator {
   bool closed() const;
 
  private:
+  using Ticket = ring_core::RingCore::Ticket;
+
   void stage(int64_t item, int slot);  // worker thread
-  void prepare_next(int64_t item);      // consumer: reserve device memory for `item`
+  // The steps of next(), consumer side, under mu_.
+  void check_usable_locked() const;
+  std::optional<Ticket> next_ticket();
+  DeviceBatch take(const Ticket& ticket);
+  DeviceBatch take_pending();
+  void copy_ahead();
+  void prepare_next(int64_t item);  // reserve device memory for `item`
+  void end_with_error(std::optional<DeviceBatch>& batch) noexcept;
+  void record_position(int64_t item);
+  void record_wait();
   void close_locked();
   void drop(DeviceBatch& batch) noexcept;  // discard() that never throws (error paths)
 
@@ -121,7 +92,7 @@ class RingIterator {
   const int64_t total_rows_;
   const int64_t items_;
   const std::shared_ptr<RingStats> stats_;
-  const std::shared_ptr<native::WorkerPool> workers_;
+  const std::shared_ptr<ring_core::WorkerPool> workers_;
   std::unique_ptr<DeviceTransfer> transfer_;
   // Per slot: what the worker staged (handed over through the core's protocol).
   std::vector<std::vector<at::Tensor>> staged_;
@@ -131,7 +102,7 @@ class RingIterator {
   bool superseded_ = false;
   std::string failed_;  // why a consumer-side failure ended the stream
   std::optional<DeviceBatch> pending_;              // the next micro-batch, its copy enqueued
-  std::optional<native::RingCore::Ticket> held_;    // the next micro-batch, acquired but not copied yet
+  std::optional<Ticket> held_;                      // the next micro-batch, acquired but not copied yet
   bool copy_ahead_ = true;                          // off after an out-of-memory error copying ahead
   bool reserve_ahead_ = true;                       // off after a failed reservation
   // Position of the last micro-batch handed out: its own lock, so that index()/rows()
@@ -139,7 +110,7 @@ class RingIterator {
   mutable std::mutex pos_mu_;
   int64_t index_ = -1;
   std::pair<int64_t, int64_t> rows_{0, 0};
-  std::unique_ptr<native::RingCore> core_;  // last: its thread stops before the rest goes
+  std::unique_ptr<ring_core::RingCore> core_;  // last: its thread stops before the rest goes
 };
 
 class StreamRing {
@@ -166,7 +137,7 @@ class StreamRing {
   std::weak_ptr<RingIterator> current_;
   std::shared_ptr<RingStats> stats_;
   std::shared_ptr<HostBufferPool> pool_;
-  std::shared_ptr<native::WorkerPool> workers_;
+  std::shared_ptr<ring_core::WorkerPool> workers_;
 };
 
 }  // namespace mbs

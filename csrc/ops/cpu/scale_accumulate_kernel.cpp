@@ -1,25 +1,17 @@
 // CPU kernel of mbs_ext::scale_accumulate_: one parallel pass over the elements of
-// all pairs together (small tensors never serialize), arithmetic in native/accumulate.h.
+// all pairs together (small tensors never serialize), arithmetic in accumulate/accumulate.h.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <vector>
 
-#include "native/accumulate.h"
-#include "ops/scale_accumulate.h"
+#include "accumulate/accumulate.h"
+#include "ops/arguments.h"
+#include "ops/dense_pairs.h"
 
 namespace mbs {
 namespace {
-
-native::DType native_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return native::DType::f32;
-    case at::kDouble: return native::DType::f64;
-    case at::kBFloat16: return native::DType::bf16;
-    case at::kHalf: return native::DType::f16;
-    default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported dtype ", t);
-  }
-}
 
 // Elements per task: large enough to amortize scheduling, small enough that a
 // few hundred small tensors still spread over all threads.
@@ -33,15 +25,15 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
   const double s = scale.item<double>();  // a CPU tensor here: no device sync
 
   DensePairs dense(accumulators, grads);
-  std::vector<native::Pair> pairs;
+  std::vector<accumulate::Pair> pairs;
   pairs.reserve(dense.size());
   for (size_t i = 0; i < dense.size(); ++i) {
     const at::Tensor& acc = dense.acc(i);
     const at::Tensor& grad = dense.grad(i);
-    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), native_dtype(acc.scalar_type()),
-                     native_dtype(grad.scalar_type())});
+    pairs.push_back({acc.data_ptr(), grad.const_data_ptr(), acc.numel(), *float_dtype(acc.scalar_type()),
+                     *float_dtype(grad.scalar_type())});
   }
-  const native::FlatPairs flat(std::move(pairs));
+  const accumulate::FlatPairs flat(std::move(pairs));
   std::atomic<bool> bad{false};
   at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
     if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);

@@ -1,6 +1,6 @@
 // The multi-tensor launcher: one kernel launch covers many tensors, with all the
 // metadata a block needs passed by value as a kernel argument. The launch plan and
-// the block -> (piece, chunk) lookup are plain C++ in native/multi_tensor.h, tested
+// the block -> (piece, chunk) lookup are plain C++ in accumulate/multi_tensor.h, tested
 // by a host emulation; this header only adds the kernel and the launches.
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "native/multi_tensor.h"
+#include "accumulate/multi_tensor.h"
 
 namespace mbs::cuda {
 
@@ -23,10 +23,10 @@ namespace mbs::cuda {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
 constexpr size_t kKernelArgBytes = 32764;
 // Two pointers per piece (read-write, read), 24 bytes each: 1,344 pieces per launch.
-using PairListMeta = native::TensorListMeta<2, 1344>;
+using PairListMeta = accumulate::TensorListMeta<2, 1344>;
 #else
 constexpr size_t kKernelArgBytes = 4096;
-using PairListMeta = native::TensorListMeta<2, 168>;
+using PairListMeta = accumulate::TensorListMeta<2, 168>;
 #endif
 
 // Block b works on one chunk of one piece; every thread calls op once (the op loads,
@@ -50,7 +50,7 @@ void multi_tensor_apply(const std::vector<std::array<void*, Meta::kDepth>>& addr
                         const std::vector<int64_t>& numels, const std::array<int64_t, Meta::kDepth>& element_bytes,
                         const Op& op, cudaStream_t stream) {
   static_assert(sizeof(Meta) + sizeof(Op) <= kKernelArgBytes, "kernel arguments exceed the limit");
-  native::for_each_launch<Meta>(addresses, numels, element_bytes, Op::kChunk, [&](const Meta& meta, uint32_t blocks) {
+  accumulate::for_each_launch<Meta>(addresses, numels, element_bytes, Op::kChunk, [&](const Meta& meta, uint32_t blocks) {
     multi_tensor_kernel<Meta, Op><<<blocks, Op::kThreads, 0, stream>>>(meta, op);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

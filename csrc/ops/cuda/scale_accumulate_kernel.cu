@@ -3,7 +3,7 @@
 // dtype) pair present. Metadata travels as kernel arguments, scale and found_inf stay
 // on the device: no host synchronization, no host staging memory, capturable in a
 // CUDA graph. Runs on the current stream. The per-thread work is
-// native/scale_accumulate_block.h, shared with its host emulation test.
+// accumulate/scale_accumulate_block.h, shared with its host emulation test.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,14 +12,15 @@
 #include <torch/library.h>
 
 #include <array>
-#include <string>
 #include <vector>
 
-#include "native/scale_accumulate_block.h"
+#include "accumulate/scale_accumulate_block.h"
+#include "accumulate/dtype.h"
+#include "ops/arguments.h"
 #include "ops/cuda/multi_tensor.cuh"
-#include "ops/scale_accumulate.h"
+#include "ops/dense_pairs.h"
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // The device's 16-bit floats compute in float: widened exactly, narrowed with
 // round-to-nearest-even.
@@ -40,16 +41,20 @@ template <> struct Convert<__half, double> {
   MBS_HOST_DEVICE static double to(__half v) { return static_cast<double>(__half2float(v)); }
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate
 
 namespace mbs {
 namespace {
 
+using accumulate::DType;
 using cuda::PairListMeta;
 
-template <typename T> struct CudaType { using type = T; };
-template <> struct CudaType<at::BFloat16> { using type = __nv_bfloat16; };
-template <> struct CudaType<at::Half> { using type = __half; };
+// The device's element type for each dtype.
+template <DType D> struct DeviceType;
+template <> struct DeviceType<DType::f32> { using type = float; };
+template <> struct DeviceType<DType::f64> { using type = double; };
+template <> struct DeviceType<DType::bf16> { using type = __nv_bfloat16; };
+template <> struct DeviceType<DType::f16> { using type = __half; };
 
 struct ScaleArg {
   const void* ptr;  // device scale, or null
@@ -57,12 +62,10 @@ struct ScaleArg {
   bool is_double;
 };
 
-template <typename A, typename G>
+template <typename DA, typename DG>
 void launch_group(const DensePairs& dense, const std::vector<size_t>& members, const ScaleArg& scale,
                   float* found_inf, cudaStream_t stream) {
-  using DA = typename CudaType<A>::type;
-  using DG = typename CudaType<G>::type;
-  using Op = native::ScaleAccumulateBlock<DA, DG>;
+  using Op = accumulate::ScaleAccumulateBlock<DA, DG>;
   std::vector<std::array<void*, 2>> addresses;
   std::vector<int64_t> numels;
   addresses.reserve(members.size());
@@ -79,36 +82,12 @@ void launch_group(const DensePairs& dense, const std::vector<size_t>& members, c
   cuda::multi_tensor_apply<PairListMeta>(addresses, numels, {int64_t{sizeof(DA)}, int64_t{sizeof(DG)}}, op, stream);
 }
 
-template <typename A>
-void dispatch_grad(at::ScalarType grad_type, const DensePairs& dense, const std::vector<size_t>& members,
-                   const ScaleArg& scale, float* found_inf, cudaStream_t stream) {
-  switch (grad_type) {
-    case at::kFloat: return launch_group<A, float>(dense, members, scale, found_inf, stream);
-    case at::kDouble: return launch_group<A, double>(dense, members, scale, found_inf, stream);
-    case at::kBFloat16: return launch_group<A, at::BFloat16>(dense, members, scale, found_inf, stream);
-    case at::kHalf: return launch_group<A, at::Half>(dense, members, scale, found_inf, stream);
-    default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported grad dtype ", grad_type);
-  }
-}
-
-int dtype_slot(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return 0;
-    case at::kDouble: return 1;
-    case at::kBFloat16: return 2;
-    case at::kHalf: return 3;
-    default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported dtype ", t);
-  }
-}
-constexpr at::ScalarType kSlotDtype[4] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
-
 void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
                            const at::Tensor& found_inf) {
   // All checks (including that every tensor is a CUDA tensor on one device) run
   // before any pointer is taken.
   const c10::Device device =
       check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CUDA);
-  TORCH_CHECK_VALUE(device.is_cuda() && found_inf.is_cuda(), "scale_accumulate_: the CUDA kernel needs CUDA tensors");
   if (accumulators.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -123,42 +102,28 @@ void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, co
   float* found_inf_ptr = found_inf.data_ptr<float>();
 
   DensePairs dense(accumulators, grads);
-  std::vector<size_t> groups[4][4];  // [acc dtype][grad dtype] -> pair indices
+  constexpr int kTypes = accumulate::kNumDTypes;
+  std::vector<size_t> groups[kTypes][kTypes];  // [acc dtype][grad dtype] -> pair indices
   for (size_t i = 0; i < dense.size(); ++i) {
-    TORCH_CHECK(dense.acc(i).is_cuda() && dense.grad(i).is_cuda(), "scale_accumulate_: pair ", i,
-                " is not on the GPU");
-    groups[dtype_slot(dense.acc(i).scalar_type())][dtype_slot(dense.grad(i).scalar_type())].push_back(i);
+    const auto a = static_cast<int>(*float_dtype(dense.acc(i).scalar_type()));
+    const auto g = static_cast<int>(*float_dtype(dense.grad(i).scalar_type()));
+    groups[a][g].push_back(i);
   }
-  for (int a = 0; a < 4; ++a) {
-    for (int g = 0; g < 4; ++g) {
+  for (int a = 0; a < kTypes; ++a) {
+    for (int g = 0; g < kTypes; ++g) {
       const std::vector<size_t>& members = groups[a][g];
       if (members.empty()) continue;
-      switch (kSlotDtype[a]) {
-        case at::kFloat: dispatch_grad<float>(kSlotDtype[g], dense, members, scale_arg, found_inf_ptr, stream); break;
-        case at::kDouble: dispatch_grad<double>(kSlotDtype[g], dense, members, scale_arg, found_inf_ptr, stream); break;
-        case at::kBFloat16:
-          dispatch_grad<at::BFloat16>(kSlotDtype[g], dense, members, scale_arg, found_inf_ptr, stream);
-          break;
-        case at::kHalf: dispatch_grad<at::Half>(kSlotDtype[g], dense, members, scale_arg, found_inf_ptr, stream); break;
-        default: TORCH_CHECK_TYPE(false, "scale_accumulate_: unsupported accumulator dtype ", kSlotDtype[a]);
-      }
+      accumulate::dispatch_pair(static_cast<DType>(a), static_cast<DType>(g), [&](auto acc_type, auto grad_type) {
+        using DA = typename DeviceType<decltype(acc_type)::value>::type;
+        using DG = typename DeviceType<decltype(grad_type)::value>::type;
+        launch_group<DA, DG>(dense, members, scale_arg, found_inf_ptr, stream);
+      });
     }
   }
   dense.write_back();
 }
 
 }  // namespace
-
-std::string compiled_cuda_archs() {
-#ifdef __CUDA_ARCH_LIST__
-#define MBS_STR2(...) #__VA_ARGS__
-#define MBS_STR(...) MBS_STR2(__VA_ARGS__)
-  return MBS_STR(__CUDA_ARCH_LIST__);
-#else
-  return "";
-#endif
-}
-
 }  // namespace mbs
 
 TORCH_LIBRARY_IMPL(mbs_ext, CUDA, m) { m.impl("scale_accumulate_", &mbs::scale_accumulate_cuda); }

@@ -13,7 +13,7 @@
 
 #include <vector>
 
-#include "ring/stream_ring.h"
+#include "ring/device_transfer.h"
 
 namespace mbs {
 

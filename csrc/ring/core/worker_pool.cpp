@@ -1,10 +1,10 @@
-#include "native/worker_pool.h"
+#include "ring/core/worker_pool.h"
 
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
-namespace mbs::native {
+namespace mbs::ring_core {
 
 WorkerPool::WorkerPool(int threads) {
   if (threads < 1) throw std::invalid_argument("WorkerPool: threads must be >= 1");
@@ -130,4 +130,4 @@ void copy_rows(WorkerPool& pool, void* dst, const void* src, int64_t row_bytes, 
   });
 }
 
-}  // namespace mbs::native
+}  // namespace mbs::ring_core

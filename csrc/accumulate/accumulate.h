@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "accumulate/dtype.h"
+
 #if defined(__GNUC__)
 #define MBS_ALWAYS_INLINE inline __attribute__((always_inline))
 #else
@@ -24,9 +26,7 @@
 #define MBS_HAVE_AVX2_CLONES 0
 #endif
 
-namespace mbs::native {
-
-enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
+namespace mbs::accumulate {
 
 MBS_ALWAYS_INLINE float bits_to_f32(uint32_t u) {
   float f;
@@ -118,10 +118,6 @@ MBS_ALWAYS_INLINE bool accumulate_span(void* acc_raw, const void* grad_raw, int6
   return bad != 0;
 }
 
-inline int64_t element_size(DType d) {
-  return (d == DType::f64) ? 8 : (d == DType::f32) ? 4 : 2;
-}
-
 using SpanFn = bool (*)(void*, const void*, int64_t, double);
 
 template <DType A, DType G> bool accumulate_span_default(void* acc, const void* grad, int64_t n, double s) {
@@ -152,22 +148,7 @@ template <DType A, DType G> SpanFn pick_span_kernel() {
 }
 
 inline SpanFn span_kernel(DType acc, DType grad) {
-#define MBS_GRAD_CASES(A)                                                  \
-  switch (grad) {                                                          \
-    case DType::f32: return pick_span_kernel<A, DType::f32>();             \
-    case DType::f64: return pick_span_kernel<A, DType::f64>();             \
-    case DType::bf16: return pick_span_kernel<A, DType::bf16>();           \
-    case DType::f16: return pick_span_kernel<A, DType::f16>();             \
-  }                                                                        \
-  break;
-  switch (acc) {
-    case DType::f32: MBS_GRAD_CASES(DType::f32)
-    case DType::f64: MBS_GRAD_CASES(DType::f64)
-    case DType::bf16: MBS_GRAD_CASES(DType::bf16)
-    case DType::f16: MBS_GRAD_CASES(DType::f16)
-  }
-#undef MBS_GRAD_CASES
-  return nullptr;
+  return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_span_kernel<a.value, g.value>(); });
 }
 
 struct Pair {
@@ -221,4 +202,4 @@ class FlatPairs {
   std::vector<int64_t> starts_;
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate

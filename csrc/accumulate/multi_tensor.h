@@ -1,5 +1,5 @@
 // The launch plan of the multi-tensor CUDA kernels, in plain C++: the same code
-// runs on the device and in a host emulation (csrc/native/tests/test_multi_tensor.cpp)
+// runs on the device and in a host emulation (csrc/accumulate/tests/test_multi_tensor.cpp)
 // that checks, under the sanitizers, that every element is handled exactly once.
 //
 // One launch covers up to MaxSlots tensor pieces. Its metadata travels BY VALUE as a
@@ -33,7 +33,7 @@
 #define MBS_UNROLL
 #endif
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // Elements per piece: 2^31, a multiple of every chunk size and of 16.
 constexpr int64_t kMaxPieceElements = int64_t{1} << 31;
@@ -123,4 +123,4 @@ void for_each_launch(const std::vector<std::array<void*, Meta::kDepth>>& address
   }
 }
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate

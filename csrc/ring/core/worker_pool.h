@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-namespace mbs::native {
+namespace mbs::ring_core {
 
 class WorkerPool {
  public:
@@ -57,4 +57,4 @@ class WorkerPool {
 void copy_rows(WorkerPool& pool, void* dst, const void* src, int64_t row_bytes, int64_t src_stride,
                const int64_t* idx, int64_t n);
 
-}  // namespace mbs::native
+}  // namespace mbs::ring_core

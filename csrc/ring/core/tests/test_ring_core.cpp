@@ -10,10 +10,10 @@
 #include <thread>
 #include <vector>
 
-#include "native/tests/check.h"
-#include "native/ring_core.h"
+#include "testing/check.h"
+#include "ring/core/ring_core.h"
 
-using mbs::native::RingCore;
+using mbs::ring_core::RingCore;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -125,27 +125,9 @@ void test_try_acquire() {
 
 void test_release_errors() {
   RingCore ring(2, 1, [](int64_t, int) {});
-  bool threw = false;
-  try {
-    ring.release(0);  // not held
-  } catch (const std::logic_error&) {
-    threw = true;
-  }
-  MBS_CHECK(threw);
-  threw = false;
-  try {
-    ring.release(7);
-  } catch (const std::logic_error&) {
-    threw = true;
-  }
-  MBS_CHECK(threw);
-  threw = false;
-  try {
-    RingCore bad(0, 1, [](int64_t, int) {});
-  } catch (const std::invalid_argument&) {
-    threw = true;
-  }
-  MBS_CHECK(threw);
+  MBS_CHECK_THROWS(std::logic_error, ring.release(0));  // not held
+  MBS_CHECK_THROWS(std::logic_error, ring.release(7));
+  MBS_CHECK_THROWS(std::invalid_argument, RingCore(0, 1, [](int64_t, int) {}));
 }
 
 void test_error_propagation() {

@@ -3,7 +3,7 @@
 // copied after staging, so there is nothing to wait for.
 #include <utility>
 
-#include "ring/stream_ring.h"
+#include "ring/device_transfer.h"
 
 namespace mbs {
 

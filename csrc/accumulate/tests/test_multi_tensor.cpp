@@ -1,5 +1,5 @@
 // Host emulation of the CUDA scale_accumulate_ kernel: the launch plan
-// (native/multi_tensor.h) and the per-thread work (native/scale_accumulate_block.h)
+// (accumulate/multi_tensor.h) and the per-thread work (accumulate/scale_accumulate_block.h)
 // are the code the GPU runs, executed here block by block and thread by thread.
 //
 // Within a block, threads share nothing but the final OR of their flags, and no two
@@ -18,11 +18,11 @@
 #include <stdexcept>
 #include <vector>
 
-#include "native/accumulate.h"
-#include "native/scale_accumulate_block.h"
-#include "native/tests/check.h"
+#include "accumulate/accumulate.h"
+#include "accumulate/scale_accumulate_block.h"
+#include "testing/check.h"
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // Bit-pattern stand-ins for the device's bf16 and fp16, converted with the CPU
 // kernel's exact round-to-nearest-even conversions.
@@ -47,9 +47,9 @@ template <> struct Convert<F16, double> {
   static double to(F16 v) { return f16_to_f32(v.bits); }
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate
 
-using namespace mbs::native;
+using namespace mbs::accumulate;
 
 namespace {
 
@@ -161,17 +161,13 @@ struct Case {
   int bad_tensor = -1;  // a tensor holding one non-finite grad, or -1
 };
 
-// Runs `c` through the emulated kernel and checks every element against the
-// reference, the flag, the guard bytes and that grads are left alone. Returns the
-// number of launches.
-template <typename A, typename G, typename Meta = SmallMeta> int run_case(const Case& c, std::mt19937_64& rng) {
-  using Op = ScaleAccumulateBlock<A, G>;
-  const size_t count = c.numels.size();
-  std::vector<Buffer<A>> accs;
-  std::vector<Buffer<G>> grads;
+// The tensors of case `c`, filled at random (one poisoned grad when c.bad_tensor asks),
+// each snapshotted for the guard-byte checks. Returns whether a grad is non-finite.
+template <typename A, typename G>
+bool fill_case(const Case& c, std::mt19937_64& rng, std::vector<Buffer<A>>& accs, std::vector<Buffer<G>>& grads) {
   std::normal_distribution<double> normal(0.0, 1.0);
   bool expect_bad = false;
-  for (size_t i = 0; i < count; ++i) {
+  for (size_t i = 0; i < c.numels.size(); ++i) {
     accs.emplace_back(c.numels[i], c.acc_offsets[i], rng);
     grads.emplace_back(c.numels[i], c.grad_offsets[i], rng);
     for (int64_t k = 0; k < c.numels[i]; ++k) {
@@ -188,6 +184,37 @@ template <typename A, typename G, typename Meta = SmallMeta> int run_case(const 
     accs[i].snapshot();
     grads[i].snapshot();
   }
+  return expect_bad;
+}
+
+// Every accumulator element equals the reference bit for bit; nothing outside the
+// tensors changed, and grads are left alone.
+template <typename A, typename G>
+void check_case(const Case& c, const std::vector<Buffer<A>>& accs, const std::vector<Buffer<G>>& grads,
+                const std::vector<std::vector<A>>& expected) {
+  for (size_t i = 0; i < accs.size(); ++i) {
+    MBS_CHECK(accs[i].outside_unchanged());
+    MBS_CHECK(grads[i].all_unchanged());
+    for (int64_t k = 0; k < c.numels[i]; ++k) {
+      if (std::memcmp(&accs[i].data()[k], &expected[i][static_cast<size_t>(k)], sizeof(A)) != 0) {
+        std::fprintf(stderr, "tensor %zu of %zu (n=%lld, acc offset %zu, grad offset %zu), element %lld differs\n", i,
+                     accs.size(), static_cast<long long>(c.numels[i]), c.acc_offsets[i], c.grad_offsets[i],
+                     static_cast<long long>(k));
+        MBS_CHECK(false);
+      }
+    }
+  }
+}
+
+// Runs `c` through the emulated kernel and checks every element against the
+// reference, the flag, the guard bytes and that grads are left alone. Returns the
+// number of launches.
+template <typename A, typename G, typename Meta = SmallMeta> int run_case(const Case& c, std::mt19937_64& rng) {
+  using Op = ScaleAccumulateBlock<A, G>;
+  const size_t count = c.numels.size();
+  std::vector<Buffer<A>> accs;
+  std::vector<Buffer<G>> grads;
+  const bool expect_bad = fill_case(c, rng, accs, grads);
   std::vector<std::vector<A>> expected(count);
   for (size_t i = 0; i < count; ++i) {
     for (int64_t k = 0; k < c.numels[i]; ++k) {
@@ -216,19 +243,7 @@ template <typename A, typename G, typename Meta = SmallMeta> int run_case(const 
         emulate_launch(meta, blocks, op);
       },
       c.max_piece);
-
-  for (size_t i = 0; i < count; ++i) {
-    MBS_CHECK(accs[i].outside_unchanged());
-    MBS_CHECK(grads[i].all_unchanged());
-    for (int64_t k = 0; k < c.numels[i]; ++k) {
-      if (std::memcmp(&accs[i].data()[k], &expected[i][static_cast<size_t>(k)], sizeof(A)) != 0) {
-        std::fprintf(stderr, "tensor %zu of %zu (n=%lld, acc offset %zu, grad offset %zu), element %lld differs\n", i,
-                     count, static_cast<long long>(c.numels[i]), c.acc_offsets[i], c.grad_offsets[i],
-                     static_cast<long long>(k));
-        MBS_CHECK(false);
-      }
-    }
-  }
+  check_case(c, accs, grads, expected);
   MBS_CHECK(found_inf == (expect_bad ? 1.0f : 0.0f));
   return launches;
 }

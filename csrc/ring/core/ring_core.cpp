@@ -1,12 +1,12 @@
-#include "native/ring_core.h"
+#include "ring/core/ring_core.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <utility>
 
-#include "native/clock.h"
+#include "ring/core/clock.h"
 
-namespace mbs::native {
+namespace mbs::ring_core {
 
 int64_t num_micro_batches(int64_t rows, int64_t m) {
   if (rows < 0) throw std::invalid_argument("num_micro_batches: rows must be >= 0");
@@ -137,4 +137,4 @@ void RingCore::stop() {
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
-}  // namespace mbs::native
+}  // namespace mbs::ring_core

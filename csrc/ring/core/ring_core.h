@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-namespace mbs::native {
+namespace mbs::ring_core {
 
 // Balanced micro-batches: `rows` rows with micro-batch size m >= 1 make
 // k = ceil(rows / m) micro-batches whose sizes differ by at most one; the first
@@ -91,4 +91,4 @@ class RingCore {
   std::thread thread_;
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::ring_core

@@ -1,7 +1,7 @@
 // One thread's share of one chunk of the CUDA scale_accumulate_ kernel:
 // acc[i] <- acc[i] + scale * grad[i], flagging non-finite grads. Plain C++ that
 // compiles for the device (csrc/ops/cuda/) and for a host emulation of the whole
-// grid (csrc/native/tests/test_multi_tensor.cpp), so the index arithmetic, the
+// grid (csrc/accumulate/tests/test_multi_tensor.cpp), so the index arithmetic, the
 // vector/scalar split and the alignment rules are tested on any machine.
 //
 // Memory access: each thread moves 16 elements per loop step (8 for fp64/fp64) as
@@ -22,9 +22,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "native/multi_tensor.h"
+#include "accumulate/multi_tensor.h"
 
-namespace mbs::native {
+namespace mbs::accumulate {
 
 // T <-> the compute type C. The primary template covers float and double.
 template <typename T, typename C> struct Convert {
@@ -209,4 +209,4 @@ template <typename A, typename G> struct ScaleAccumulateBlock {
   }
 };
 
-}  // namespace mbs::native
+}  // namespace mbs::accumulate

@@ -4,13 +4,15 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
-#include "native/accumulate.h"
-#include "native/tests/check.h"
+#include "accumulate/accumulate.h"
+#include "testing/check.h"
 
-using namespace mbs::native;
+using namespace mbs::accumulate;
 
 static void test_half_round_trip() {
   // Every half bit pattern converts to float and back unchanged (NaNs stay NaN).
@@ -105,7 +107,22 @@ static void test_flat_split_covers_everything() {
     for (float v : a) MBS_CHECK(v == 1.5f);
 }
 
+// dispatch_pair reaches each of the 16 (accumulator, grad) combinations with its own
+// compile-time types, and refuses a value outside the enum.
+static void test_dispatch_pair() {
+  const DType all[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+  for (const DType a : all) {
+    for (const DType g : all) {
+      const auto got = dispatch_pair(a, g, [](auto ta, auto tg) { return std::make_pair(ta.value, tg.value); });
+      MBS_CHECK(got.first == a && got.second == g);
+      MBS_CHECK(span_kernel(a, g) != nullptr);
+    }
+  }
+  MBS_CHECK_THROWS(std::invalid_argument, dispatch_dtype(static_cast<DType>(7), [](auto) { return 0; }));
+}
+
 int main() {
+  test_dispatch_pair();
   test_half_round_trip();
   test_bf16_round_trip();
   test_accumulate_matches_double();

@@ -10,22 +10,22 @@
 #include <string>
 #include <vector>
 
-#include "native/ring_core.h"
-#include "native/tests/check.h"
-#include "native/worker_pool.h"
+#include "ring/core/ring_core.h"
+#include "testing/check.h"
+#include "ring/core/worker_pool.h"
 
-using mbs::native::WorkerPool;
+using mbs::ring_core::WorkerPool;
 
 namespace {
 
 void test_split_sizes() {
-  MBS_CHECK((mbs::native::split_sizes(10, 4) == std::vector<int64_t>{4, 3, 3}));
-  MBS_CHECK((mbs::native::split_sizes(8, 4) == std::vector<int64_t>{4, 4}));
-  MBS_CHECK((mbs::native::split_sizes(1, 5) == std::vector<int64_t>{1}));
-  MBS_CHECK(mbs::native::split_sizes(0, 3).empty());
+  MBS_CHECK((mbs::ring_core::split_sizes(10, 4) == std::vector<int64_t>{4, 3, 3}));
+  MBS_CHECK((mbs::ring_core::split_sizes(8, 4) == std::vector<int64_t>{4, 4}));
+  MBS_CHECK((mbs::ring_core::split_sizes(1, 5) == std::vector<int64_t>{1}));
+  MBS_CHECK(mbs::ring_core::split_sizes(0, 3).empty());
   for (int64_t rows = 1; rows < 200; ++rows) {
     for (int64_t m = 1; m < rows + 3; ++m) {
-      const auto sizes = mbs::native::split_sizes(rows, m);
+      const auto sizes = mbs::ring_core::split_sizes(rows, m);
       const int64_t k = (rows + m - 1) / m;
       MBS_CHECK(static_cast<int64_t>(sizes.size()) == k);
       MBS_CHECK(std::accumulate(sizes.begin(), sizes.end(), int64_t{0}) == rows);
@@ -34,19 +34,13 @@ void test_split_sizes() {
         const int64_t size = sizes[static_cast<size_t>(i)];
         MBS_CHECK(size <= m && size >= sizes.back() && size - sizes.back() <= 1);
         MBS_CHECK(size == rows / k + (i < rows % k ? 1 : 0));
-        const auto range = mbs::native::micro_batch_range(rows, m, i);
+        const auto range = mbs::ring_core::micro_batch_range(rows, m, i);
         MBS_CHECK(range.first == start && range.second == start + size);
         start += size;
       }
     }
   }
-  bool threw = false;
-  try {
-    mbs::native::split_sizes(5, 0);
-  } catch (const std::invalid_argument&) {
-    threw = true;
-  }
-  MBS_CHECK(threw);
+  MBS_CHECK_THROWS(std::invalid_argument, mbs::ring_core::split_sizes(5, 0));
 }
 
 void test_exactly_once() {
@@ -99,7 +93,7 @@ void test_copy_rows() {
         const int64_t n = 16;
         std::vector<unsigned char> dst(static_cast<size_t>(n * row_bytes));
         std::vector<unsigned char> contiguous(src.begin(), src.begin() + rows * row_bytes);
-        mbs::native::copy_rows(pool, dst.data(), contiguous.data() + 4 * row_bytes, row_bytes, row_bytes, nullptr, n);
+        mbs::ring_core::copy_rows(pool, dst.data(), contiguous.data() + 4 * row_bytes, row_bytes, row_bytes, nullptr, n);
         MBS_CHECK(std::memcmp(dst.data(), contiguous.data() + 4 * row_bytes, static_cast<size_t>(n * row_bytes)) == 0);
       }
       // strided rows and a gather with repeats
@@ -108,7 +102,7 @@ void test_copy_rows() {
       for (const int64_t* ix : {static_cast<const int64_t*>(nullptr), static_cast<const int64_t*>(idx.data())}) {
         const int64_t n = ix ? 50 : rows;
         std::vector<unsigned char> dst(static_cast<size_t>(n * row_bytes));
-        mbs::native::copy_rows(pool, dst.data(), src.data(), row_bytes, stride, ix, n);
+        mbs::ring_core::copy_rows(pool, dst.data(), src.data(), row_bytes, stride, ix, n);
         for (int64_t r = 0; r < n; ++r) {
           const int64_t s = ix ? ix[r] : r;
           MBS_CHECK(std::memcmp(dst.data() + r * row_bytes, src.data() + s * stride, static_cast<size_t>(row_bytes)) == 0);

@@ -1,0 +1,34 @@
+// The non-empty (accumulator, grad) pairs of one call as contiguous tensors, so that
+// both kernels can run over them with flat indices.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+namespace mbs {
+
+// A non-contiguous accumulator is replaced by a contiguous copy that write_back()
+// copies into the original afterwards; a non-contiguous grad by a contiguous copy that
+// lives as long as this object. Expects arguments that passed check_scale_accumulate_args.
+class DensePairs {
+ public:
+  DensePairs(at::TensorList accumulators, at::TensorList grads);
+
+  size_t size() const { return acc_.size(); }
+  const at::Tensor& acc(size_t i) const { return acc_[i]; }
+  const at::Tensor& grad(size_t i) const { return grad_[i]; }
+
+  // Copies the results of the contiguous stand-ins into the original accumulators
+  // (on the current stream for CUDA tensors: ordered after the kernel).
+  void write_back();
+
+ private:
+  std::vector<at::Tensor> acc_;
+  std::vector<at::Tensor> grad_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending_;  // (original, contiguous copy)
+};
+
+}  // namespace mbs
