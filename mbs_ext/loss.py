@@ -2,13 +2,20 @@
 
 A ``torch.nn`` loss module is called as ``loss_fn(model(inputs), targets)`` on an
 ``(inputs, targets)`` batch, and its configuration says how micro-batch losses combine
-(:func:`rule_for`): ``reduction="sum"`` adds sums; ``CrossEntropyLoss``/``NLLLoss``
-with class-index targets average over the weight of their non-ignored targets
-(``sum(weight[target])``, or their number without ``weight``), counted on the device;
-every other built-in mean (probability targets and label smoothing included, MSE, BCE
-with ``pos_weight``, Huber, ``KLDivLoss(reduction="batchmean")``, CTC...) averages
-over a fixed number of items per row, so ``"samples"`` is exact for it. A subclass
-with its own ``forward`` is not guessed at: it needs an explicit ``normalize``.
+(:func:`rule_for`): ``reduction="sum"`` adds sums; ``CrossEntropyLoss``/``NLLLoss``/
+``LinearCrossEntropyLoss`` with class-index targets average over the weight of their
+non-ignored targets (``sum(weight[target])``, or their number without ``weight``; label
+smoothing divides by the same), counted on the device; every other built-in mean
+(probability targets, MSE, BCE with ``pos_weight``, Huber, ``KLDivLoss(reduction=
+"batchmean")``...) averages over a fixed number of items per row, so ``"samples"`` is
+exact for it. A subclass with its own ``forward`` is not guessed at: it needs an
+explicit ``normalize``.
+
+What ``loss(model(inputs), targets)`` cannot make exact is refused (:func:`loss_caller`):
+a forward taking more than (input, target) (``GaussianNLLLoss``, ``CTCLoss``, the pair
+and triplet losses), before the step starts; a loss owning trainable parameters that are
+not the model's (``LinearCrossEntropyLoss``'s projection outside the model: the step
+normalizes, zeroes and rolls back only the model's parameters), at its first call, undone.
 
 Also the autocast context the forward runs in, shared by the step and the planner's
 probes so both measure the same computation.
@@ -17,6 +24,7 @@ probes so both measure the same computation.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -51,16 +59,71 @@ def check_loss_fn(loss_fn: Any) -> None:
 
 
 def loss_caller(loss_fn: Callable, batch: Any) -> LossCall:
-    """``loss_fn`` itself, or for an ``nn`` loss module ``loss_fn(model(inputs), targets)``."""
+    """``loss_fn`` itself, or for an ``nn`` loss module ``loss_fn(model(inputs), targets)``.
+
+    Refused here, before anything changes: a loss whose forward needs more than (input,
+    target). Refused at the first call, which has the model: a loss with trainable
+    parameters the model does not hold.
+    """
     if not isinstance(loss_fn, _Loss):
         return loss_fn
+    _check_two_inputs(loss_fn)
     if not _batch.is_pair(batch):
         raise TypeError("loss_fn is a torch.nn loss module, so batch must be an (inputs, targets) pair")
+    checked: list[nn.Module] = []
 
     def call(model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        if not checked or checked[0] is not model:
+            _check_loss_parameters(loss_fn, model)
+            checked[:] = [model]
         return loss_fn(model(micro_batch[0]), micro_batch[1])
 
     return call
+
+
+def _check_two_inputs(loss_fn: _Loss) -> None:
+    """Refuse a forward with more than two required positional arguments (var, lengths, a
+    second or third input): ``loss(model(inputs), targets)`` cannot supply them."""
+    try:
+        params = list(inspect.signature(loss_fn.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        return
+    required = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    if len(required) <= 2:
+        return
+    name = type(loss_fn).__name__
+    args = ", ".join(required)
+    raise TypeError(
+        f"loss_fn is a {name}, whose forward takes ({args}), but mbs_ext calls a torch.nn loss module as "
+        "loss(model(inputs), targets); pass a loss_fn(model, b) that builds every argument from the micro-batch "
+        f"b (a tuple of tensors split by row), e.g. {_EXAMPLES.get(name, _EXAMPLES[None])}. It averages over "
+        "rows (the default normalize='samples'); with reduction='sum' pass normalize='sum'"
+    )
+
+
+_EXAMPLES = {
+    "GaussianNLLLoss": "def loss_fn(model, b): mean, var = model(b[0]).chunk(2, dim=1); "
+                       "return loss(mean, b[1], var.exp())",
+    "CTCLoss": "loss_fn=lambda model, b: loss(model(b[0]).log_softmax(-1).transpose(0, 1), b[1], b[2], b[3])",
+    "TripletMarginLoss": "loss_fn=lambda model, b: loss(model(b[0]), model(b[1]), model(b[2]))",
+    "TripletMarginWithDistanceLoss": "loss_fn=lambda model, b: loss(model(b[0]), model(b[1]), model(b[2]))",
+    None: "loss_fn=lambda model, b: loss(model(b[0]), model(b[1]), b[2])",
+}
+
+
+def _check_loss_parameters(loss_fn: _Loss, model: nn.Module) -> None:
+    """Refuse trainable loss parameters outside ``model``: the step weights, zeroes and
+    rolls back the gradients of the model's parameters only, so theirs would come out wrong."""
+    own = {id(p) for p in model.parameters()}
+    stray = [n for n, p in loss_fn.named_parameters() if p.requires_grad and id(p) not in own]
+    if stray:
+        raise ValueError(
+            f"loss_fn {type(loss_fn).__name__} has trainable parameters that are not the model's "
+            f"({', '.join(stray)}); mbs_ext streams and normalizes the gradients of the model's parameters only. "
+            "Make the loss a submodule of the model (model.head = loss; the model returns the loss's input), "
+            "or freeze them (requires_grad_(False))"
+        )
 
 
 def _builtin_forward(loss_fn: _Loss) -> type | None:
@@ -105,15 +168,25 @@ def rule_for(loss_fn: Callable, normalize: Any) -> Rule:
 def _derived_rule(loss_fn: _Loss, base: type, reduction: str) -> Rule:
     if reduction == "sum":
         return Rule("sum", source=f"{type(loss_fn).__name__}(reduction='sum')")
-    if issubclass(base, (nn.CrossEntropyLoss, nn.NLLLoss)):
+    if issubclass(base, _CLASS_TARGET_LOSSES):
         return Rule("count", _ClassTargetCount(loss_fn), f"the weight of the non-ignored targets of {base.__name__}")
     return Rule("samples", source="its rows")
 
 
+# Losses whose class-index mean divides by sum(weight[target]) over non-ignored targets.
+# LinearCrossEntropyLoss (newer torch) is cross_entropy after its own projection and
+# does not subclass CrossEntropyLoss, so it is named here.
+_CLASS_TARGET_LOSSES: tuple[type, ...] = tuple(
+    c for c in (nn.CrossEntropyLoss, nn.NLLLoss, getattr(nn, "LinearCrossEntropyLoss", None)) if c is not None
+)
+
+
 class _ClassTargetCount:
     """``sum(weight[target])`` over targets other than ``ignore_index`` (their number without
-    ``weight``): the denominator of a class-index CrossEntropyLoss/NLLLoss mean, on the device.
-    Probability targets (floating point, CrossEntropyLoss only) average over rows."""
+    ``weight``): the denominator of a class-index CrossEntropyLoss/NLLLoss/LinearCrossEntropyLoss
+    mean, on the device; with label smoothing torch divides the smoothing term by the same sum.
+    ``ignore_index=None`` (LinearCrossEntropyLoss's default) means torch's -100. Probability
+    targets (floating point) average over rows."""
 
     def __init__(self, loss_fn: _Loss) -> None:
         self.loss_fn = loss_fn
@@ -122,7 +195,8 @@ class _ClassTargetCount:
         target = micro_batch[1]
         if target.is_floating_point():
             return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
-        keep = target != self.loss_fn.ignore_index
+        ignore = self.loss_fn.ignore_index
+        keep = target != (-100 if ignore is None else ignore)
         weight = self.loss_fn.weight
         if weight is None:
             return keep.sum()
