@@ -16,7 +16,7 @@ from mbs_ext.ops import scale_accumulate_
 from mbs_ext.options import StepOptions
 from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ring import StreamRing
-from mbs_ext.step import MicroBatchStreamer, StepResult, step
+from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
 
 
 def build_info() -> dict:
@@ -37,6 +37,7 @@ __all__ = [
     "StepResult",
     "StreamRing",
     "__version__",
+    "accumulate",
     "build_info",
     "convert_batchnorm",
     "plan_micro_batch",

@@ -93,6 +93,16 @@ def finish(
     return Finished(loss, skipped, grad_norm)
 
 
+def finish_gradients(normalizer: Normalizer, guard: StepGuard, device: torch.device) -> Finished:
+    """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
+    statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
+    ``.grad`` for the caller's own optimizer step."""
+    read = _read(normalizer.device_values(), device)
+    loss = normalizer.check(read[0], read[1], read[2])
+    guard.commit_statistics()
+    return Finished(loss, False, None)
+
+
 def _read(values: list, device: torch.device) -> list[float]:
     """Host numbers of ``values`` with one device-to-host copy for all the device tensors."""
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]

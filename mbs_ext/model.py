@@ -31,8 +31,11 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
-    """The model's trainable parameters, after checking that the optimizer owns some of them."""
+    """The model's trainable parameters, after checking that the optimizer (if any: None for
+    :func:`mbs_ext.accumulate`) owns some of them."""
     check_model(model)
+    if optimizer is None:
+        return trainable(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = trainable(model)

@@ -81,9 +81,12 @@ class StepGuard:
     the scaler, so that a rollback undoes exactly that.
     """
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None,
                  scaler: torch.amp.GradScaler | None, device: torch.device, batchnorms: list) -> None:
         self.params, self.optimizer, self.scaler, self.batchnorms = params, optimizer, scaler, batchnorms
+        # Without an optimizer (mbs_ext.accumulate) the caller owns .grad: a failure puts back
+        # the gradients it had, rather than clearing them.
+        self.old_grads = [p.grad for p in params] if optimizer is None else None
         self.snapshot = Snapshot(model, device)
         self.scaler_state = ScalerSnapshot(scaler) if scaler is not None else None
         self.unscaled = False
@@ -98,7 +101,8 @@ class StepGuard:
     def clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def commit_statistics(self) -> None:
         for layer in self.batchnorms:
@@ -116,6 +120,9 @@ class StepGuard:
             self.snapshot.restore_rng()
         if clear_grads:
             self.clear_grads()
+            if self.old_grads is not None:
+                for p, g in zip(self.params, self.old_grads):
+                    p.grad = g
         if restore_scaler and self.scaler_state is not None:
             if self.unscaled and not self.updated:
                 with contextlib.suppress(Exception):

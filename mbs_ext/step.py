@@ -1,8 +1,11 @@
-"""The micro-batch streamed training step: ``MicroBatchStreamer`` and ``step``.
+"""The micro-batch streamed training step: ``MicroBatchStreamer``, ``step`` and ``accumulate``.
 
 ``step(model, optimizer, batch, loss_fn, micro_batch_size=m)`` equals
 ``optimizer.zero_grad(); loss_fn(model, batch).backward(); optimizer.step()`` on the
 whole mini-batch, while only one micro-batch at a time lives on the model's device.
+``accumulate(model, batch, loss_fn, ...)`` is the same without the optimizer step:
+the mini-batch's gradients in ``.grad``, for code that owns the step (a Trainer, a
+framework's optimizer loop). Both run one code path; only the finish differs.
 
 This module only sequences; each component is handed what it needs and data flows one
 way: options (:mod:`~mbs_ext.options`) → checks (:mod:`~mbs_ext.model`,
@@ -31,7 +34,7 @@ from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext import model as _model
 from mbs_ext.batchnorm import deferring
-from mbs_ext.finish import StepResult, finish
+from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
 from mbs_ext.grads import accumulation_dtype, make_sink
 from mbs_ext.normalize import Normalizer, Rule
@@ -40,7 +43,7 @@ from mbs_ext.ranks import Ranks
 from mbs_ext.ring import StreamRing, split_sizes
 from mbs_ext.rollback import StepGuard
 
-__all__ = ["MicroBatchStreamer", "StepOptions", "StepResult", "step"]
+__all__ = ["MicroBatchStreamer", "StepOptions", "StepResult", "accumulate", "step"]
 
 
 @dataclass
@@ -93,7 +96,7 @@ class MicroBatchStreamer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         *,
         options: StepOptions | None = None,
@@ -123,6 +126,22 @@ class MicroBatchStreamer:
         the largest size that fits, and the step is redone from scratch at that size,
         which is remembered for later steps.
         """
+        if self.optimizer is None:
+            raise TypeError("this streamer has no optimizer (optimizer=None): call accumulate(), or pass one")
+        return self._run(batch, indices, stepping=True)
+
+    def accumulate(self, batch: Any, indices: torch.Tensor | None = None) -> StepResult:
+        """The gradients of the whole mini-batch in ``.grad`` (replacing what was there), exactly
+        normalized, with no optimizer step: :meth:`step` without the update. Running statistics
+        of BatchNorm layers are committed once. Gradients stay scaled when a ``scaler`` is given
+        (for the caller's ``scaler.unscale_``/``step``). On any error ``.grad`` and the module
+        buffers are as before."""
+        if self.options.max_grad_norm is not None:
+            raise ValueError("max_grad_norm: accumulate() takes no optimizer step, so it does not clip; "
+                             "clip in your own step (torch.nn.utils.clip_grad_norm_)")
+        return self._run(batch, indices, stepping=False)
+
+    def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
         t_begin = time.perf_counter()
         call = self._check(batch, indices)
         with deferring(self.model) as call.batchnorms:
@@ -133,7 +152,7 @@ class MicroBatchStreamer:
                 self.cache.size_cap[key] = smaller
 
             result = backoff.with_backoff(
-                lambda m: self._attempt(call, m, progress),
+                lambda m: self._attempt(call, m, progress, stepping),
                 size,
                 retryable=lambda exc: progress.retryable,
                 fits_at=lambda m: probe.fits(self.model, call.params, call.batch, call.indices, m, call.device,
@@ -181,11 +200,12 @@ class MicroBatchStreamer:
             m = plan.micro_batch_size
         return max(1, min(m, self.cache.size_cap.get(key, m), call.rows)), key
 
-    def _attempt(self, call: _Call, m: int, progress: _Progress) -> StepResult:
+    def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
         sizes = split_sizes(call.rows, m)
         opts, device = self.options, call.device
-        guard = StepGuard(self.model, call.params, self.optimizer, opts.scaler, device, call.batchnorms)
+        optimizer = self.optimizer if stepping else None
+        guard = StepGuard(self.model, call.params, optimizer, opts.scaler, device, call.batchnorms)
         progress.begin(guard, call.ranks)
         sink = None
         try:
@@ -199,7 +219,10 @@ class MicroBatchStreamer:
             # A CPU model reads row ranges of the host batch in place: nothing to stage.
             progress.fb.run(ring.stream(call.batch, m, indices=call.indices, copy=device.type != "cpu"))
             t_finish = time.perf_counter()
-            done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device)
+            if stepping:
+                done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device)
+            else:
+                done = finish_gradients(normalizer, guard, device)
         except BaseException as exc:
             guard.rollback(clear_grads=True)
             if sink is not None:
@@ -276,10 +299,28 @@ def step(
     The ring, the "auto" plans and sizes learned from out-of-memory back-off are cached
     per model, so calling ``step`` in a loop reuses them.
     """
-    streamer = MicroBatchStreamer(model, optimizer, loss_fn, options=options, **overrides)
-    cache = _CACHES.get(model)
+    return _cached(MicroBatchStreamer(model, optimizer, loss_fn, options=options, **overrides)).step(batch, indices)
+
+
+def accumulate(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    indices: torch.Tensor | None = None,
+    options: StepOptions | None = None,
+    **overrides: Any,
+) -> StepResult:
+    """The exactly normalized gradients of ``batch`` in ``.grad``, streamed in micro-batches, with
+    no optimizer step; see :meth:`MicroBatchStreamer.accumulate`. ``step`` is this plus the update."""
+    return _cached(MicroBatchStreamer(model, None, loss_fn, options=options, **overrides)).accumulate(batch, indices)
+
+
+def _cached(streamer: MicroBatchStreamer) -> MicroBatchStreamer:
+    """``streamer`` with the ring, plans and learned sizes kept for its model."""
+    cache = _CACHES.get(streamer.model)
     if cache is None:
-        _CACHES[model] = streamer.cache
+        _CACHES[streamer.model] = streamer.cache
     else:
         streamer.cache = cache
-    return streamer.step(batch, indices=indices)
+    return streamer
