@@ -8,6 +8,11 @@ DensePairs::DensePairs(at::TensorList accumulators, at::TensorList grads) {
   for (size_t i = 0; i < accumulators.size(); ++i) {
     if (accumulators[i].numel() == 0) continue;
     at::Tensor acc = accumulators[i];
+    if (!acc.is_contiguous() && acc.is_non_overlapping_and_dense() && grads[i].strides() == acc.strides()) {
+      acc_.push_back(acc);
+      grad_.push_back(grads[i]);
+      continue;
+    }
     if (!acc.is_contiguous()) {
       at::Tensor dense = acc.contiguous();
       pending_.emplace_back(acc, dense);

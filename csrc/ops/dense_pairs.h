@@ -1,5 +1,6 @@
-// The non-empty (accumulator, grad) pairs of one call as contiguous tensors, so that
-// both kernels can run over them with flat indices.
+// The non-empty (accumulator, grad) pairs of one call as tensors the kernels can run
+// over with flat indices: dense memory in which element k of the accumulator and
+// element k of the grad are the same logical element.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,9 +11,12 @@
 
 namespace mbs {
 
-// A non-contiguous accumulator is replaced by a contiguous copy that write_back()
-// copies into the original afterwards; a non-contiguous grad by a contiguous copy that
-// lives as long as this object. Expects arguments that passed check_scale_accumulate_args.
+// A pair of dense (non-overlapping, gap-free) tensors with the same strides is used as
+// it is, whatever its layout (a channels_last weight and its gradient): elementwise work
+// does not care about the order of memory, only that both sides share it. Otherwise a
+// non-contiguous accumulator is replaced by a contiguous copy that write_back() copies
+// into the original afterwards, and a non-contiguous grad by a contiguous copy that lives
+// as long as this object. Expects arguments that passed check_scale_accumulate_args.
 class DensePairs {
  public:
   DensePairs(at::TensorList accumulators, at::TensorList grads);
