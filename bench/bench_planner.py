@@ -108,7 +108,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def case(name: str, budget_mib: float, device: str = "cpu", rows: int = 0) -> dict:
+def case(name: str, budget_mib: float, device: str = "cpu", rows: int = 0, with_tracker: bool = False) -> dict:
     """Plan, then one step at the planned size, measured from outside the planner (run in a fresh child)."""
     import mbs_ext
     from mbs_ext.apps._process import malloc_trim, proc_status
@@ -120,11 +120,12 @@ def case(name: str, budget_mib: float, device: str = "cpu", rows: int = 0) -> di
     model = make().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     budget = int(budget_mib * MiB)
-    batch = [t.to(dev) for t in data(shape, rows or 16384, tokens)]
+    # The batch stays on the host (on CUDA the step stages each micro-batch to the device).
+    batch = list(data(shape, rows or 16384, tokens))
     # What the first forward/backward of a process initialises once (oneDNN kernels, lazy
     # state) is paid by the first step with or without planning: timed apart, as init_s.
     t0 = time.perf_counter()
-    ce(model, [t[:2] for t in batch]).backward()
+    ce(model, [t[:2].to(dev) for t in batch]).backward()
     model.zero_grad(set_to_none=True)
     t_init = time.perf_counter() - t0
     with warnings.catch_warnings(record=True) as caught:
@@ -134,12 +135,13 @@ def case(name: str, budget_mib: float, device: str = "cpu", rows: int = 0) -> di
         t_plan = time.perf_counter() - t0
         m = plan.micro_batch_size
         if 3 * m > len(batch[0]):  # the step must run exactly 3 micro-batches of the planned size
-            batch = [t.to(dev) for t in data(shape, 3 * m, tokens)]
+            batch = list(data(shape, 3 * m, tokens))
         step_batch = [t[: 3 * m] for t in batch]  # views: a CPU step streams them in place
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
+            torch.cuda.reset_peak_memory_stats(dev)  # max_memory_reserved too
             before = torch.cuda.memory_allocated(dev)
+            reserved = torch.cuda.memory_reserved(dev)
         import gc
 
         gc.collect()
@@ -153,29 +155,43 @@ def case(name: str, budget_mib: float, device: str = "cpu", rows: int = 0) -> di
             torch.cuda.synchronize(dev)
         t_step = time.perf_counter() - t0
         hwm = proc_status()["VmHWM"]
+        if with_tracker:  # the dispatch tracker's view of the same step (one more step)
+            from mbs_ext.diagnostics import PeakTracker
+
+            with PeakTracker() as tracker:
+                mbs_ext.step(model, opt, step_batch, ce, micro_batch_size=m)
     backoffs = sum(issubclass(w.category, RuntimeWarning) and "memory" in str(w.message) for w in caught)
     out = {"device": dev.type, "model": name, "budget_MiB": budget_mib, "rows": rows or 16384,
            "planned": m, "micro_batches": result.num_micro_batches, "probes": list(plan.probes),
            "init_s": round(t_init, 3), "plan_s": round(t_plan, 3), "probe_step_s": round(t_step / result.num_micro_batches, 3),
            "plan/probe_step": round(t_plan / (t_step / result.num_micro_batches), 2), "backoffs": backoffs}
+    out["meter"] = plan.meter
+    probed = dict(plan.verified).get(m)
+    out["probe/budget"] = round(probed / budget, 3) if probed else None  # the planner's own reading
     if dev.type == "cuda":
         out["real/budget"] = round((torch.cuda.max_memory_allocated(dev) - before) / budget, 3)
-        out["reserved/budget"] = round(torch.cuda.memory_reserved(dev) / budget, 3)
+        # What the caching allocator reserved beyond what it held before the step: the
+        # device memory the step really took (block rounding and fragmentation included).
+        out["reserved/budget"] = round((torch.cuda.max_memory_reserved(dev) - reserved) / budget, 3)
     else:
         out["real/budget"] = round((hwm - rss) / budget, 3)
+        if with_tracker:
+            out["tracker/budget"] = round(tracker.peak / budget, 3)
     return out
 
 
-def run_case(name: str, budget_mib: float, device: str = "cpu", timeout: float = 300, rows: int = 0) -> dict:
+def run_case(name: str, budget_mib: float, device: str = "cpu", timeout: float = 300, rows: int = 0,
+             with_tracker: bool = False) -> dict:
     """``case`` in a fresh process with the measuring environment; a watchdog timeout bounds it."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", name, str(budget_mib), device, str(rows)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", name, str(budget_mib), device, str(rows),
+           "tracker" if with_tracker else ""]
     done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{name} {budget_mib} MiB: child failed ({done.returncode})\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-COLS = ["device", "model", "budget_MiB", "planned", "real/budget", "init_s", "plan_s", "probe_step_s", "plan/probe_step",
+COLS = ["device", "model", "budget_MiB", "meter", "planned", "real/budget", "probe/budget", "tracker/budget", "init_s", "plan_s", "probe_step_s", "plan/probe_step",
         "probes", "backoffs"]
 
 
@@ -217,10 +233,24 @@ def write(rows: list[dict], out: Path) -> None:
     fig.savefig(out / "planner.png", dpi=110)
 
 
+CUDA_SCALE = 8  # CUDA budgets: the CPU ones times this
+CUDA_ROWS = {"mlp": 1 << 18}  # rows to plan for on CUDA (default 1 << 16): more than any plan
+
+
+def devices() -> list[str]:
+    """``$MBS_PLANNER_DEVICES`` (e.g. "cuda" in scripts/gpu_check.sh), else cpu and cuda where present."""
+    wanted = os.environ.get("MBS_PLANNER_DEVICES", "cpu cuda").split()
+    return [d for d in wanted if d == "cpu" or (d == "cuda" and torch.cuda.is_available())]
+
+
 def test_planner_accuracy() -> None:
-    rows = [run_case(name, b) for name, spec in MODELS.items() for b in spec[3]]
-    if torch.cuda.is_available():
-        rows += [run_case(name, b * 8, "cuda") for name, spec in MODELS.items() for b in spec[3]]
+    rows = []
+    if "cpu" in devices():
+        rows += [run_case(name, b, with_tracker=True) for name, spec in MODELS.items() for b in spec[3]]
+    if "cuda" in devices():
+        rows += [run_case(name, b * CUDA_SCALE, "cuda", rows=CUDA_ROWS.get(name, 1 << 16))
+                 for name, spec in MODELS.items() for b in spec[3]]
+    assert rows, "no device selected"
     write(rows, OUT)
     for r in rows:
         print(r)
@@ -233,6 +263,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--case":
         name, budget, device = sys.argv[2], float(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "cpu"
         rows = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-        print(json.dumps(case(name, budget, device, rows)))
+        print(json.dumps(case(name, budget, device, rows, with_tracker="tracker" in sys.argv[6:])))
     else:
         test_planner_accuracy()

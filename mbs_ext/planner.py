@@ -41,7 +41,7 @@ CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by
 # On the CPU, budgets from this size up are judged by the process's peak resident set
 # (RssPeak); below it its page/per-CPU-counter resolution is too coarse and the
 # dispatch tracker judges (it sees op outputs only).
-RSS_MIN_BUDGET = 32 << 20
+RSS_MIN_BUDGET = 8 << 20
 # (lowest accepted, highest accepted, aimed at) share of the budget a verified size's
 # peak may take, per meter. The RSS meter sees everything but is noisier, so it aims
 # below the budget; a verified peak under "lowest" makes the search grow the size.
@@ -72,6 +72,7 @@ class MicroBatchPlan:
     _saved_intercept: int = 0
     meter: str = ""  # what judged the planned size: "rss", "tracker" or "cuda"
     probes: tuple[int, ...] = ()  # rows of each probe step run (warm-up, line fit, verifications)
+    verified: tuple[tuple[int, int], ...] = ()  # (rows, measured peak bytes) of each verification
 
 
 def cuda_room(*, total: int, fraction: float, allocated: int, reserved: int, free: int) -> int:
@@ -194,6 +195,7 @@ def plan(
         _saved_intercept=intercept,
         meter=meter,
         probes=tuple(int(n) for n in probes),
+        verified=tuple((int(n), int(b)) for n, b in verified.items()),
     )
 
 

@@ -165,6 +165,32 @@ def _malloc_trim() -> None:
 
 
 _LIBC: list = []
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_GLIBC_DEFAULT = 128 * 1024  # both thresholds' initial values
+_MALLOC_ENV = {_M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_", _M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_"}
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        return bool(_libc().mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
+
+
+def _mmap_freed_blocks() -> list[int]:
+    """Make glibc serve blocks from 64 KiB up by mmap and hand freed memory back at once.
+
+    Without it glibc's dynamic thresholds serve a freed size from the heap next time and
+    keep freed pages: the probe would read the heap's history (fragmentation), not what
+    the step needs. A threshold the user set (``MALLOC_*_THRESHOLD_``) is left as set.
+    Returns the parameters changed (restored to glibc's initial 128 KiB afterwards;
+    glibc's dynamic adjustment stays off from the first mallopt on).
+    """
+    changed = []
+    for param, value in ((_M_MMAP_THRESHOLD, 65536), (_M_TRIM_THRESHOLD, 0)):
+        if _MALLOC_ENV[param] not in os.environ and _mallopt(param, value):
+            changed.append(param)
+    return changed
 
 
 def _libc() -> ctypes.CDLL:
@@ -190,6 +216,7 @@ class RssPeak:
         self.base = 0
         self.peak = 0
         self._gc = True
+        self._mallopt: list[int] = []
 
     @staticmethod
     def available() -> bool:
@@ -211,6 +238,7 @@ class RssPeak:
         gc.collect(1)
         self._gc = gc.isenabled()
         gc.disable()
+        self._mallopt = _mmap_freed_blocks()
         _malloc_trim()
         self.base = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
@@ -219,6 +247,8 @@ class RssPeak:
 
     def __exit__(self, *exc: object) -> None:
         self.peak = max(0, _status("VmHWM") - self.base)
+        for param in self._mallopt:
+            _mallopt(param, _GLIBC_DEFAULT)
         if self._gc:
             gc.enable()
 
