@@ -6,7 +6,11 @@ once are resident, not per-step cost) and measures the peak each adds: CUDA allo
 statistics on a GPU, a dispatch-level live-bytes tracker (``PeakTracker``) on the CPU.
 A straight line through two probes gives fixed + per-row bytes; staged inputs and float
 accumulation buffers are added by count; the size that suggests is then measured itself
-and shrunk until it fits. Probes restore RNG state, module buffers and ``.grad``, so
+and moved, down or up, by secant until its peak is in a window under the budget
+(:func:`_search`). On the CPU that verification is judged by the process's own peak
+resident set (``RssPeak``) for budgets from ``RSS_MIN_BUDGET``: the tracker sees op
+outputs only, not what kernels allocate inside (convolution column buffers, oneDNN
+scratchpads: a U-Net's real peak is ~1.17x the tracker's). Probes restore RNG state, module buffers and ``.grad``, so
 planning never changes what the training step computes. ``default_budget`` and
 ``cuda_room`` know the device's real limit (the per-process memory fraction included).
 The probes themselves live in :mod:`~mbs_ext.probe`.
@@ -139,8 +143,11 @@ def plan(
     (:func:`measure_peak`) as fixed + per-row bytes; the staged inputs (``slots`` in
     flight plus the one in use) and float32 accumulation buffers are added by count.
     The peak grows faster than that line at larger sizes (the moment of the peak moves
-    from "all gradients allocated" to "activations and their gradients at once"), so the
-    size it suggests is then measured itself and shrunk in proportion until it fits.
+    from "all gradients allocated" to "activations and their gradients at once"), and on
+    the CPU the tracker misses kernels' internal buffers, so the size it suggests is then
+    measured itself (by the OS on the CPU, see :func:`_meter`) and moved until its peak
+    lies in the meter's window (:data:`WINDOWS`), growing as well as shrinking, within
+    :data:`FULL_PROBES` measurements (:func:`_search`).
     """
     device = model_device(model)
     input_row = row_bytes(batch)
@@ -270,11 +277,10 @@ def _search(need: Callable[[int], int], size: int, *, num_rows: int, budget: int
         if nxt == size or nxt in measured:
             break
         size = nxt
-    fitting = [n for n in measured if measured[n] <= high * budget]
-    best = max(fitting, default=0)
-    last = order[-1]
-    if measured[last] > high * budget:  # the secant's smaller size, above anything measured to fit
-        best = max(best, min(size, last - 1)) if size < last else max(best, 1)
+    best = max((n for n in measured if measured[n] <= high * budget), default=0)
+    if measured[order[-1]] > high * budget:  # the secant's smaller size, below every size measured too large
+        cap = min(n for n in measured if measured[n] > high * budget) - 1
+        best = max(best, min(size, cap))
     return max(1, best), measured
 
 
