@@ -17,11 +17,12 @@ from typing import Any
 from mbs_ext._native import _C as native
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
 from mbs_ext.planner import cuda_room
-from mbs_ext.probe import PeakTracker, is_out_of_memory, measure_peak, measure_saved_bytes
+from mbs_ext.probe import PeakTracker, RssPeak, is_out_of_memory, measure_peak, measure_saved_bytes
 from mbs_ext.ring import default_staging_threads
 
 __all__ = [
     "PeakTracker",
+    "RssPeak",
     "child_env",
     "cuda_room",
     "default_staging_threads",

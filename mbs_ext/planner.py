@@ -6,7 +6,11 @@ once are resident, not per-step cost) and measures the peak each adds: CUDA allo
 statistics on a GPU, a dispatch-level live-bytes tracker (``PeakTracker``) on the CPU.
 A straight line through two probes gives fixed + per-row bytes; staged inputs and float
 accumulation buffers are added by count; the size that suggests is then measured itself
-and shrunk until it fits. Probes restore RNG state, module buffers and ``.grad``, so
+and moved, down or up, by secant until its peak is in a window under the budget
+(:func:`_search`). On the CPU that verification is judged by the process's own peak
+resident set (``RssPeak``) for budgets from ``RSS_MIN_BUDGET``: the tracker sees op
+outputs only, not what kernels allocate inside (convolution column buffers, oneDNN
+scratchpads: a U-Net's real peak is ~1.17x the tracker's). Probes restore RNG state, module buffers and ``.grad``, so
 planning never changes what the training step computes. ``default_budget`` and
 ``cuda_room`` know the device's real limit (the per-process memory fraction included).
 The probes themselves live in :mod:`~mbs_ext.probe`.
@@ -27,9 +31,26 @@ from mbs_ext import loss as _loss
 from mbs_ext.grads import accumulation_dtype, buffer_layout
 from mbs_ext.model import check_model, model_device, trainable
 from mbs_ext.options import check_memory_budget
-from mbs_ext.probe import is_out_of_memory, measure_peak, measure_saved_bytes, probe_batch, probing, row_bytes
+from mbs_ext.probe import (
+    RssPeak,
+    is_out_of_memory,
+    measure_peak,
+    measure_saved_bytes,
+    probe_batch,
+    probing,
+    row_bytes,
+)
 
 CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by default
+# On the CPU, budgets from this size up are judged by the process's peak resident set
+# (RssPeak); below it its page/per-CPU-counter resolution is too coarse and the
+# dispatch tracker judges (it sees op outputs only).
+RSS_MIN_BUDGET = 8 << 20
+# (lowest accepted, highest accepted, aimed at) share of the budget a verified size's
+# peak may take, per meter. The RSS meter sees everything but is noisier, so it aims
+# below the budget; a verified peak under "lowest" makes the search grow the size.
+WINDOWS = {"rss": (0.88, 0.985, 0.95), "tracker": (0.85, 1.0, 1.0), "cuda": (0.85, 1.0, 1.0)}
+FULL_PROBES = {"rss": 2, "tracker": 4, "cuda": 4}  # verifications at full size, at most
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,9 @@ class MicroBatchPlan:
         return self._saved_intercept + micro_batch_size * self.saved_bytes_per_sample
 
     _saved_intercept: int = 0
+    meter: str = ""  # what judged the planned size: "rss", "tracker" or "cuda"
+    probes: tuple[int, ...] = ()  # rows of each probe step run (warm-up, line fit, verifications)
+    verified: tuple[tuple[int, int], ...] = ()  # (rows, measured peak bytes) of each verification
 
 
 def cuda_room(*, total: int, fraction: float, allocated: int, reserved: int, free: int) -> int:
@@ -119,8 +143,11 @@ def plan(
     (:func:`measure_peak`) as fixed + per-row bytes; the staged inputs (``slots`` in
     flight plus the one in use) and float32 accumulation buffers are added by count.
     The peak grows faster than that line at larger sizes (the moment of the peak moves
-    from "all gradients allocated" to "activations and their gradients at once"), so the
-    size it suggests is then measured itself and shrunk in proportion until it fits.
+    from "all gradients allocated" to "activations and their gradients at once"), and on
+    the CPU the tracker misses kernels' internal buffers, so the size it suggests is then
+    measured itself (by the OS on the CPU, see :func:`_meter`) and moved until its peak
+    lies in the meter's window (:data:`WINDOWS`), growing as well as shrinking, within
+    :data:`FULL_PROBES` measurements (:func:`_search`).
     """
     device = model_device(model)
     input_row = row_bytes(batch)
@@ -146,8 +173,21 @@ def plan(
             per_sample = per_row + staged_row
             _check_fits(memory_budget, fixed, per_sample, grad_bytes + acc_bytes)
             size = max(1, min(num_rows, (memory_budget - fixed) // max(per_sample, 1)))
-            size = _verify(model, batch, indices, device, call, (autocast_dtype, accumulating), size, large,
-                           lambda n, peak: peak + acc_bytes + held + n * staged_row, memory_budget, fixed)
+            meter = _meter(device, memory_budget)
+            if meter == "rss":  # aim the tracker's line below the budget: it misses kernels' buffers
+                goal = int(memory_budget * WINDOWS["rss"][2])
+                size = max(1, min(num_rows, (goal - fixed) // max(per_sample, 1)))
+
+            def need(n: int) -> int:
+                peak = measure_peak(model, probe_batch(batch, n, indices, device), call, autocast_dtype,
+                                    accumulating, meter="rss" if meter == "rss" else "tracker")
+                return peak + acc_bytes + held + n * staged_row
+
+            size, verified = _search(need, size, num_rows=num_rows, budget=memory_budget, fixed=fixed,
+                                     probed=0 if meter == "rss" else large, meter=meter)
+            if meter == "rss" and size in verified:  # report the line the OS measured
+                per_sample = max(per_sample, math.ceil((verified[size] - fixed) / size))
+            probes = (small, small, large, *verified)
     finally:
         for p, g in grads.items():
             p.grad = g
@@ -160,6 +200,9 @@ def plan(
         memory_budget=int(memory_budget),
         num_rows=int(num_rows),
         _saved_intercept=intercept,
+        meter=meter,
+        probes=tuple(int(n) for n in probes),
+        verified=tuple((int(n), int(b)) for n, b in verified.items()),
     )
 
 
@@ -191,23 +234,74 @@ def _gradient_bytes(model: nn.Module, accumulate_dtype: torch.dtype | None) -> t
     return grad_bytes, acc_bytes
 
 
-def _verify(model, batch, indices, device, call, how: tuple, size: int, probed: int,
-            total: Callable[[int, int], int], budget: int, fixed: int, tries: int = 4) -> int:
-    """Measure the planned size itself; shrink it in proportion while it does not fit."""
-    for _ in range(tries):
-        if size <= probed:
-            return size
+def _meter(device: torch.device, budget: int) -> str:
+    """What judges a planned size: CUDA's allocator; on the CPU the OS (RssPeak) for budgets
+    it resolves, else the dispatch tracker."""
+    if device.type == "cuda":
+        return "cuda"
+    if device.type == "cpu" and budget >= RSS_MIN_BUDGET and RssPeak.available():
+        return "rss"
+    return "tracker"
+
+
+def _search(need: Callable[[int], int], size: int, *, num_rows: int, budget: int, fixed: int, probed: int,
+            meter: str) -> tuple[int, dict[int, int]]:
+    """Measure the suggested size itself and move it, down or up, until its peak is in the window.
+
+    At most ``FULL_PROBES[meter]`` measurements: the first new size comes from the line
+    through ``fixed`` and the measured point, later ones from the line through the last
+    two measured points (a secant), each aimed at the window's target. A measured peak
+    under the window's floor grows the size (by 4x at most per move); over the budget
+    shrinks it. When the measurements run out the largest measured size that fits is
+    returned, or, if the last one did not fit, the secant's smaller size (unmeasured).
+    Returns the size and the measured needs by size. Sizes up to ``probed`` rows were
+    measured by the line fit already and are taken as they are.
+    """
+    low, high, aim = WINDOWS[meter]
+    measured: dict[int, int] = {}
+    order: list[int] = []
+    for _ in range(FULL_PROBES[meter]):
+        if size <= probed and not order:
+            return size, measured
         try:
-            peak = measure_peak(model, probe_batch(batch, size, indices, device), call, *how)
+            got = need(size)
         except BaseException as exc:
             if not is_out_of_memory(exc):
                 raise
-            peak = 2 * budget  # too large: shrink by half at least
-        need = total(size, peak)
-        if need <= budget:
-            return size
-        size = max(1, min(size - 1, int(size * (budget - fixed) / max(need - fixed, 1))))
-    return size
+            got = 2 * budget  # too large: shrink by half at least
+        measured[size] = got
+        order.append(size)
+        if got <= high * budget and (got >= low * budget or size == num_rows):
+            return size, measured
+        nxt = _next_size(order, measured, fixed, int(aim * budget), num_rows)
+        if nxt == size or nxt in measured:
+            break
+        size = nxt
+    best = max((n for n in measured if measured[n] <= high * budget), default=0)
+    if measured[order[-1]] > high * budget:  # the secant's smaller size, below every size measured too large
+        cap = min(n for n in measured if measured[n] > high * budget) - 1
+        best = max(best, min(size, cap))
+    return max(1, best), measured
+
+
+def _next_size(order: list[int], measured: dict[int, int], fixed: int, goal: int, num_rows: int) -> int:
+    """The size a straight line through the last measurements puts at ``goal`` bytes."""
+    n2 = order[-1]
+    p2 = measured[n2]
+    slope = 0.0
+    if len(order) >= 2 and order[-2] != n2:
+        n1 = order[-2]
+        slope = (p2 - measured[n1]) / (n2 - n1)
+    if slope > 0:
+        target = n2 + (goal - p2) / slope
+    else:
+        target = n2 * (goal - fixed) / max(p2 - fixed, 1)
+    target = int(min(target, 4 * n2))
+    if p2 > goal:
+        target = min(target, n2 - 1)
+    else:
+        target = max(target, n2 + 1)
+    return max(1, min(num_rows, target))
 
 
 def plan_micro_batch(

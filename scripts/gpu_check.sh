@@ -13,7 +13,7 @@
 # runs): parts are tests, bench_accumulate_gpu, bench_step_gpu, bench_ring_gpu,
 # bench_planner, table_gpu. Where one command may run 10 minutes at most, split the
 # parts over several calls, e.g. "tests", then "bench_accumulate_gpu bench_step_gpu
-# bench_ring_gpu bench_planner", then "table_gpu".
+# bench_ring_gpu", then "bench_planner", then "table_gpu".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -70,9 +70,15 @@ part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA
 "$PY" -c 'import json, mbs_ext; print(json.dumps(mbs_ext.build_info()))' >> "$OUT/env.txt" 2>&1
 
 part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
-for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu bench_planner; do
+for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu; do
   [ -f "bench/$study.py" ] && part "$study" 100 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
 done
+# The planner study's CUDA rows (the CPU rows are committed from CPU runs): one fresh child
+# per model and budget plans, then steps at the planned size; real/budget is
+# torch.cuda.max_memory_allocated over the allocation before the step, reserved/budget
+# the rise of max_memory_reserved (the caching allocator's footprint).
+[ -f bench/bench_planner.py ] && part bench_planner 420 \
+  env MBS_PLANNER_DEVICES=cuda "$PY" -m pytest -q -s -p no:cacheprovider bench/bench_planner.py
 if ! wanted table_gpu; then
   not_run table_gpu "not selected (GPU_CHECK_ONLY)"
 elif [ "${GPU_CHECK_TABLE:-1}" != 1 ]; then

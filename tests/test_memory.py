@@ -395,3 +395,26 @@ def test_plan_micro_batch_counts_the_float32_buffers_of_a_bf16_model():
     streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.0), ce,
                                           micro_batch_size="auto", memory_budget=budget)
     assert streamer.step(batch).micro_batch_size == plan.micro_batch_size
+
+
+def test_planning_judged_by_the_os_leaves_no_trace():
+    """A budget the OS meter judges (CPU, from 8 MiB): RNG, buffers, grads, optimizer state unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Dropout(0.3), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(4096, 256), torch.randint(0, 5, (4096,)))
+    nn.functional.cross_entropy(model(batch[0][:8]), batch[1][:8]).backward()
+    opt.step()  # momentum buffers and .grad exist
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v["momentum_buffer"].clone() for k, v in enumerate(opt.state.values())}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    plan = mbs_ext.plan_micro_batch(model, batch, ce, memory_budget=16 << 20)
+    assert plan.meter == "rss" and 1 <= plan.micro_batch_size < 4096 and plan.verified
+    assert torch.equal(torch.get_rng_state(), rng), "planning consumed random numbers"
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), f"planning changed buffer {k}"
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g), "planning changed .grad"
+    for k, v in enumerate(opt.state.values()):
+        assert torch.equal(v["momentum_buffer"], state[k]), "planning changed optimizer state"
