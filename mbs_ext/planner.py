@@ -137,73 +137,66 @@ def plan(
     accumulate_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> MicroBatchPlan:
-    """Measure probe steps and pick the largest micro-batch whose measured peak fits ``memory_budget``.
-
-    Two small probes (4 and 16 rows) fit the peak of forward + backward
-    (:func:`measure_peak`) as fixed + per-row bytes; the staged inputs (``slots`` in
-    flight plus the one in use) and float32 accumulation buffers are added by count.
-    The peak grows faster than that line at larger sizes (the moment of the peak moves
-    from "all gradients allocated" to "activations and their gradients at once"), and on
-    the CPU the tracker misses kernels' internal buffers, so the size it suggests is then
-    measured itself (by the OS on the CPU, see :func:`_meter`) and moved until its peak
-    lies in the meter's window (:data:`WINDOWS`), growing as well as shrinking, within
-    :data:`FULL_PROBES` measurements (:func:`_search`).
-    """
+    """The largest micro-batch whose measured peak fits ``memory_budget``: a line through two
+    small probes (:func:`_probe_line`) plus staged inputs and accumulation buffers by count
+    suggests a size, which is then measured itself and moved, up or down, into the meter's
+    window (:func:`_search`; by the OS on the CPU, see :func:`_meter`)."""
     device = model_device(model)
     input_row = row_bytes(batch)
     staged_row = input_row * (slots + 1) if _stages(batch, indices, device) else 0
     grad_bytes, acc_bytes = _gradient_bytes(model, accumulate_dtype)
-    grads = {p: p.grad for p in model.parameters()}
-    try:
-        with probing(model, device):
-            small, large = min(4, num_rows), min(16, num_rows)
-            mbs = {n: probe_batch(batch, n, indices, device) for n in sorted({small, large})}
-            saved = {n: measure_saved_bytes(model, mb, call, autocast_dtype) for n, mb in mbs.items()}
-            accumulating = accumulate_dtype is None  # autograd adds into .grad
-            # Warm-up: what the first forward/backward of a process creates once and keeps
-            # (cuBLAS/cuDNN workspaces, lazily built state) is resident, not a per-step cost.
-            measure_peak(model, mbs[small], call, autocast_dtype, accumulating)
-            held = grad_bytes if accumulating else 0  # the sum in .grad stays resident
-            peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) + held for n, mb in mbs.items()}
-            del mbs
-            per_sample_saved, intercept = _fit(small, large, saved[small], saved[large])
-            per_row, fixed_peak = _fit(small, large, peaks[small], peaks[large])
-            per_row = max(per_row, per_sample_saved)
-            fixed = max(fixed_peak, intercept + grad_bytes) + acc_bytes
-            per_sample = per_row + staged_row
-            _check_fits(memory_budget, fixed, per_sample, grad_bytes + acc_bytes)
-            size = max(1, min(num_rows, (memory_budget - fixed) // max(per_sample, 1)))
-            meter = _meter(device, memory_budget)
-            if meter == "rss":  # aim the tracker's line below the budget: it misses kernels' buffers
-                goal = int(memory_budget * WINDOWS["rss"][2])
-                size = max(1, min(num_rows, (goal - fixed) // max(per_sample, 1)))
+    with probing(model, device):
+        small, large = min(4, num_rows), min(16, num_rows)
+        accumulating = accumulate_dtype is None  # autograd adds into .grad
+        held = grad_bytes if accumulating else 0  # the sum in .grad stays resident
+        per_sample_saved, intercept, per_row, fixed_peak = _probe_line(
+            model, batch, indices, device, call, autocast_dtype, accumulating, held, (small, large))
+        fixed = max(fixed_peak, intercept + grad_bytes) + acc_bytes
+        per_sample = per_row + staged_row
+        _check_fits(memory_budget, fixed, per_sample, grad_bytes + acc_bytes)
+        meter = _meter(device, memory_budget)
+        size = _first_guess(meter, memory_budget, fixed, per_sample, num_rows)
 
-            def need(n: int) -> int:
-                peak = measure_peak(model, probe_batch(batch, n, indices, device), call, autocast_dtype,
-                                    accumulating, meter="rss" if meter == "rss" else "tracker")
-                return peak + acc_bytes + held + n * staged_row
+        def need(n: int) -> int:
+            peak = measure_peak(model, probe_batch(batch, n, indices, device), call, autocast_dtype,
+                                accumulating, meter="rss" if meter == "rss" else "tracker")
+            return peak + acc_bytes + held + n * staged_row
 
-            size, verified = _search(need, size, num_rows=num_rows, budget=memory_budget, fixed=fixed,
-                                     probed=0 if meter == "rss" else large, meter=meter)
-            if meter == "rss" and size in verified:  # report the line the OS measured
-                per_sample = max(per_sample, math.ceil((verified[size] - fixed) / size))
-            probes = (small, small, large, *verified)
-    finally:
-        for p, g in grads.items():
-            p.grad = g
+        size, verified = _search(need, size, num_rows=num_rows, budget=memory_budget, fixed=fixed,
+                                 probed=0 if meter == "rss" else large, meter=meter)
+        if meter == "rss" and size in verified:  # report the line the OS measured
+            per_sample = max(per_sample, math.ceil((verified[size] - fixed) / size))
+        probes = (small, small, large, *verified)
     return MicroBatchPlan(
-        micro_batch_size=int(size),
-        saved_bytes_per_sample=per_sample_saved,
-        input_bytes_per_sample=input_row,
-        per_sample_bytes=per_sample,
-        fixed_bytes=fixed,
-        memory_budget=int(memory_budget),
-        num_rows=int(num_rows),
-        _saved_intercept=intercept,
-        meter=meter,
-        probes=tuple(int(n) for n in probes),
+        micro_batch_size=int(size), saved_bytes_per_sample=per_sample_saved, input_bytes_per_sample=input_row,
+        per_sample_bytes=per_sample, fixed_bytes=fixed, memory_budget=int(memory_budget), num_rows=int(num_rows),
+        _saved_intercept=intercept, meter=meter, probes=tuple(int(n) for n in probes),
         verified=tuple((int(n), int(b)) for n, b in verified.items()),
     )
+
+
+def _first_guess(meter: str, budget: int, fixed: int, per_sample: int, num_rows: int) -> int:
+    """The size the probes' line suggests; on the OS meter aimed below the budget (the tracker's
+    line misses kernels' internal buffers)."""
+    goal = int(budget * WINDOWS["rss"][2]) if meter == "rss" else budget
+    return max(1, min(num_rows, (goal - fixed) // max(per_sample, 1)))
+
+
+def _probe_line(model: nn.Module, batch: Any, indices: torch.Tensor | None, device: torch.device,
+                call: Callable, autocast_dtype: torch.dtype | None, accumulating: bool, held: int,
+                sizes: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Two small probes: (saved bytes per row, saved-bytes intercept, peak bytes per row, fixed
+    peak bytes) of straight lines through them, after one warm-up probe."""
+    small, large = sizes
+    mbs = {n: probe_batch(batch, n, indices, device) for n in sorted({small, large})}
+    saved = {n: measure_saved_bytes(model, mb, call, autocast_dtype) for n, mb in mbs.items()}
+    # Warm-up: what the first forward/backward of a process creates once and keeps
+    # (cuBLAS/cuDNN workspaces, lazily built state) is resident, not a per-step cost.
+    measure_peak(model, mbs[small], call, autocast_dtype, accumulating)
+    peaks = {n: measure_peak(model, mb, call, autocast_dtype, accumulating) + held for n, mb in mbs.items()}
+    per_sample_saved, intercept = _fit(small, large, saved[small], saved[large])
+    per_row, fixed_peak = _fit(small, large, peaks[small], peaks[large])
+    return per_sample_saved, intercept, max(per_row, per_sample_saved), fixed_peak
 
 
 def _stages(batch: Any, indices: torch.Tensor | None, device: torch.device) -> bool:

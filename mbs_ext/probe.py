@@ -47,12 +47,16 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def probing(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Restore RNG streams and module buffers after probe forwards (no trace left)."""
+    """Restore RNG streams, module buffers and ``.grad`` after probe forwards (no trace left)."""
     snap = Snapshot(model, device)
+    grads = {p: p.grad for p in model.parameters()}
     try:
         yield
     finally:
         snap.restore()
+        for p, g in grads.items():
+            p.grad = g
+
 
 def measure_saved_bytes(
     model: nn.Module,

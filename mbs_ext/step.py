@@ -59,6 +59,30 @@ class _Cache:
             self.ring = StreamRing(device)
         return self.ring
 
+    def size_for(self, model: nn.Module, opts: StepOptions, call: _Call) -> tuple[int, tuple]:
+        """The size to stream with, and the key under which out-of-memory back-off remembers one."""
+        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(call.batch))
+        if opts.micro_batch_size != "auto":
+            key: tuple = ("fixed", leaves)
+            m = int(opts.micro_batch_size)
+        else:
+            # Keyed on the caller's budget, not on a measured free-memory figure that
+            # moves from step to step, so plans and back-off sizes stay remembered.
+            key = ("auto", leaves, opts.memory_budget, opts.autocast_dtype)
+            plan = self.plans.get(key)
+            # A plan is capped by the rows of the batch it was made for; a larger batch
+            # with the same signature may afford a larger micro-batch, so re-plan then.
+            if plan is None or (plan.micro_batch_size >= plan.num_rows and call.rows > plan.num_rows):
+                plan = planner.plan(
+                    model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
+                    num_rows=call.rows, indices=call.indices,
+                    accumulate_dtype=accumulation_dtype(opts.accumulate_dtype, call.params),
+                    autocast_dtype=opts.autocast_dtype,
+                )
+                self.plans[key] = plan
+            m = plan.micro_batch_size
+        return max(1, min(m, self.size_cap.get(key, m), call.rows)), key
+
 
 @dataclass
 class _Call:
@@ -145,7 +169,7 @@ class MicroBatchStreamer:
         t_begin = time.perf_counter()
         call = self._check(batch, indices)
         with deferring(self.model) as call.batchnorms:
-            size, key = self._size(call)
+            size, key = self.cache.size_for(self.model, self.options, call)
             progress = _Progress()
 
             def remember(smaller: int) -> None:
@@ -174,31 +198,6 @@ class MicroBatchStreamer:
         rule = _loss.rule_for(self.loss_fn, self.options.normalize)
         loss_call = _loss.loss_caller(self.loss_fn, batch)
         return _Call(params, batch, indices, rows, device, ranks, rule, loss_call)
-
-    def _size(self, call: _Call) -> tuple[int, tuple]:
-        """The size to stream with, and the cache key that out-of-memory back-off updates."""
-        opts = self.options
-        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(call.batch))
-        if opts.micro_batch_size != "auto":
-            key: tuple = ("fixed", leaves)
-            m = int(opts.micro_batch_size)
-        else:
-            # Keyed on the caller's budget, not on a measured free-memory figure that
-            # moves from step to step, so plans and back-off sizes stay remembered.
-            key = ("auto", leaves, opts.memory_budget, opts.autocast_dtype)
-            plan = self.cache.plans.get(key)
-            # A plan is capped by the rows of the batch it was made for; a larger batch
-            # with the same signature may afford a larger micro-batch, so re-plan then.
-            if plan is None or (plan.micro_batch_size >= plan.num_rows and call.rows > plan.num_rows):
-                plan = planner.plan(
-                    self.model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
-                    num_rows=call.rows, indices=call.indices,
-                    accumulate_dtype=accumulation_dtype(opts.accumulate_dtype, call.params),
-                    autocast_dtype=opts.autocast_dtype,
-                )
-                self.cache.plans[key] = plan
-            m = plan.micro_batch_size
-        return max(1, min(m, self.cache.size_cap.get(key, m), call.rows)), key
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""

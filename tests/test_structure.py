@@ -137,3 +137,18 @@ def test_public_line(where):
             else:
                 ok = name in allowed
             assert ok, f"{rel} imports {name}: use mbs_ext's public API or mbs_ext.diagnostics"
+
+
+def test_no_class_over_150_lines_and_no_function_over_50():
+    """Each piece small enough to read whole (the apps aside)."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "apps" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and size > 150 or (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 50
+            ):
+                too_long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({size} lines)")
+    assert not too_long, too_long
