@@ -8,6 +8,7 @@ host and never synchronizes with a device, so it is cheap to call once per step.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,15 +61,26 @@ def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> t
     return leaves, n
 
 
-def check(batch: Any, indices: Any, device: torch.device) -> tuple[int, torch.Tensor | None]:
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the step needs to know of a checked batch, so that it need not look again."""
+
+    rows: int  # of the mini-batch: the batch's, or the number of indices
+    indices: torch.Tensor | None  # CPU int64
+    signature: tuple  # (trailing shape, dtype) per tensor leaf: what "auto" plans are cached by
+    pair: bool  # an (inputs, targets) pair, as torch.nn loss modules need
+
+
+def check(batch: Any, indices: Any, device: torch.device) -> BatchInfo:
     """A batch for a model on ``device`` (on the host or on that device), and its optional
-    ``indices``: the mini-batch's row count and the indices as CPU int64."""
+    ``indices`` (into the batch as a dataset)."""
     allowed = (torch.device("cpu"),) if device.type == "cpu" else (torch.device("cpu"), device)
-    _, n = check_leaves(batch, allowed, f"the CPU or on the model's device {device}")
-    if indices is None:
-        return n, None
-    indices = check_indices(indices, n, allowed)
-    return int(indices.numel()), indices
+    leaves, n = check_leaves(batch, allowed, f"the CPU or on the model's device {device}")
+    if indices is not None:
+        indices = check_indices(indices, n, allowed)
+        n = int(indices.numel())
+    signature = tuple((tuple(t.shape[1:]), t.dtype) for t in leaves)
+    return BatchInfo(n, indices, signature, is_pair(batch))
 
 
 def check_indices(indices: Any, dataset_rows: int, allowed: tuple[torch.device, ...]) -> torch.Tensor:

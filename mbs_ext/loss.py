@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from torch.nn.modules.loss import _Loss
 
-from mbs_ext import batch as _batch
 from mbs_ext.normalize import Rule, rule_of
 
 LossCall = Callable[[nn.Module, Any], torch.Tensor]
@@ -58,8 +57,9 @@ def check_loss_fn(loss_fn: Any) -> None:
         )
 
 
-def loss_caller(loss_fn: Callable, batch: Any) -> LossCall:
-    """``loss_fn`` itself, or for an ``nn`` loss module ``loss_fn(model(inputs), targets)``.
+def loss_caller(loss_fn: Callable, pair: bool) -> LossCall:
+    """``loss_fn`` itself, or for an ``nn`` loss module ``loss_fn(model(inputs), targets)``
+    (``pair``: the batch is an ``(inputs, targets)`` pair).
 
     Refused here, before anything changes: a loss whose forward needs more than (input,
     target). Refused at the first call, which has the model: a loss with trainable
@@ -68,7 +68,7 @@ def loss_caller(loss_fn: Callable, batch: Any) -> LossCall:
     if not isinstance(loss_fn, _Loss):
         return loss_fn
     _check_two_inputs(loss_fn)
-    if not _batch.is_pair(batch):
+    if not pair:
         raise TypeError("loss_fn is a torch.nn loss module, so batch must be an (inputs, targets) pair")
     checked: list[nn.Module] = []
 

@@ -320,15 +320,15 @@ def plan_micro_batch(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     device = model_device(model)
-    rows, indices = _batch.check(batch, indices, device)
+    info = _batch.check(batch, indices, device)
     budget = default_budget(device, memory_budget)
     return plan(
         model,
         batch,
-        _loss.loss_caller(loss_fn, batch),
+        _loss.loss_caller(loss_fn, info.pair),
         budget,
-        num_rows=rows,
-        indices=indices,
+        num_rows=info.rows,
+        indices=info.indices,
         slots=slots,
         accumulate_dtype=accumulation_dtype(accumulate_dtype, params),
         autocast_dtype=autocast_dtype,

@@ -61,7 +61,7 @@ class _Cache:
 
     def size_for(self, model: nn.Module, opts: StepOptions, call: _Call) -> tuple[int, tuple]:
         """The size to stream with, and the key under which out-of-memory back-off remembers one."""
-        leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in _batch.tensor_leaves(call.batch))
+        leaves = call.info.signature
         if opts.micro_batch_size != "auto":
             key: tuple = ("fixed", leaves)
             m = int(opts.micro_batch_size)
@@ -72,16 +72,16 @@ class _Cache:
             plan = self.plans.get(key)
             # A plan is capped by the rows of the batch it was made for; a larger batch
             # with the same signature may afford a larger micro-batch, so re-plan then.
-            if plan is None or (plan.micro_batch_size >= plan.num_rows and call.rows > plan.num_rows):
+            if plan is None or (plan.micro_batch_size >= plan.num_rows and call.info.rows > plan.num_rows):
                 plan = planner.plan(
                     model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
-                    num_rows=call.rows, indices=call.indices,
+                    num_rows=call.info.rows, indices=call.info.indices,
                     accumulate_dtype=accumulation_dtype(opts.accumulate_dtype, call.params),
                     autocast_dtype=opts.autocast_dtype,
                 )
                 self.plans[key] = plan
             m = plan.micro_batch_size
-        return max(1, min(m, self.size_cap.get(key, m), call.rows)), key
+        return max(1, min(m, self.size_cap.get(key, m), call.info.rows)), key
 
 
 @dataclass
@@ -90,8 +90,7 @@ class _Call:
 
     params: list[nn.Parameter]
     batch: Any
-    indices: torch.Tensor | None
-    rows: int
+    info: _batch.BatchInfo
     device: torch.device
     ranks: Ranks
     rule: Rule
@@ -179,7 +178,7 @@ class MicroBatchStreamer:
                 lambda m: self._attempt(call, m, progress, stepping),
                 size,
                 retryable=lambda exc: progress.retryable,
-                fits_at=lambda m: probe.fits(self.model, call.params, call.batch, call.indices, m, call.device,
+                fits_at=lambda m: probe.fits(self.model, call.params, call.batch, call.info.indices, m, call.device,
                                              call.loss_call, self.options.autocast_dtype),
                 free=lambda: probe.release_cached_memory(call.device),
                 remember=remember,
@@ -192,16 +191,16 @@ class MicroBatchStreamer:
         _model.check_grad_mode()
         params = _model.check_model_optimizer(self.model, self.optimizer)
         device = _model.model_device(self.model)
-        rows, indices = _batch.check(batch, indices, device)
+        info = _batch.check(batch, indices, device)
         _model.check_scaler_params(self.options.scaler, params, device)
         ranks = Ranks.of(self.model)
         rule = _loss.rule_for(self.loss_fn, self.options.normalize)
-        loss_call = _loss.loss_caller(self.loss_fn, batch)
-        return _Call(params, batch, indices, rows, device, ranks, rule, loss_call)
+        loss_call = _loss.loss_caller(self.loss_fn, info.pair)
+        return _Call(params, batch, info, device, ranks, rule, loss_call)
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
-        sizes = split_sizes(call.rows, m)
+        sizes = split_sizes(call.info.rows, m)
         opts, device = self.options, call.device
         optimizer = self.optimizer if stepping else None
         guard = StepGuard(self.model, call.params, optimizer, opts.scaler, device, call.batchnorms)
@@ -210,13 +209,13 @@ class MicroBatchStreamer:
         try:
             guard.begin()  # old gradients go before new buffers are allocated
             sink = make_sink(call.params, device, opts.accumulate_dtype)
-            normalizer = Normalizer(call.rule, rows=call.rows, num_micro_batches=len(sizes), device=device,
+            normalizer = Normalizer(call.rule, rows=call.info.rows, num_micro_batches=len(sizes), device=device,
                                     ranks=call.ranks)
             progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, call.ranks, device,
                                           len(sizes))
             ring = self.cache.ring_for(device)
             # A CPU model reads row ranges of the host batch in place: nothing to stage.
-            progress.fb.run(ring.stream(call.batch, m, indices=call.indices, copy=device.type != "cpu"))
+            progress.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
             t_finish = time.perf_counter()
             if stepping:
                 done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device)
@@ -232,7 +231,7 @@ class MicroBatchStreamer:
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
         timings.update(compute_s=progress.fb.compute_s, step_s=time.perf_counter() - t_finish)
         return StepResult(
-            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.rows,
+            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
         )
 
@@ -266,7 +265,7 @@ class _Progress:
         elif fb.index >= fb.num_mb:
             text = f"mbs_ext.step: failed after all {fb.num_mb} micro-batches, while finishing the step"
         else:
-            of = "indices" if call.indices is not None else "the mini-batch"
+            of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
                     f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
         if self.ranks is not None and self.ranks.ddp is not None and m > 1 and probe.is_out_of_memory(exc):

@@ -152,3 +152,47 @@ def test_no_class_over_150_lines_and_no_function_over_50():
             ):
                 too_long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({size} lines)")
     assert not too_long, too_long
+
+
+def test_the_batch_takes_a_short_path_through_the_package():
+    """Followed through a step (every moment a frame of mbs_ext holds the caller's batch), the
+    batch enters no file more than three times and comes back to a file it left at most 8 times;
+    the ring is one of the files it visits (the hop batch -> ring is a call, not hidden)."""
+    import os
+
+    import torch
+    from torch import nn
+
+    import mbs_ext
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    batch = (torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 3, (10,)))
+    streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          nn.CrossEntropyLoss(), micro_batch_size=4)
+    streamer.step(batch)
+    package = str(PACKAGE) + os.sep
+    files: list[str] = []
+
+    def holder(frame):
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(package) and any(v is batch for v in frame.f_locals.values()):
+                return frame.f_code.co_filename
+            frame = frame.f_back
+        return None
+
+    def trace(frame, event, arg):
+        where = holder(frame)
+        if where is not None and (not files or files[-1] != where):
+            files.append(where)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        streamer.step(batch)
+    finally:
+        sys.settrace(None)
+    names = [Path(f).name for f in files]
+    assert names[0] == "step.py" and "ring.py" in names, names
+    assert max(names.count(n) for n in names) <= 3, names
+    assert sum(1 for i, n in enumerate(names) if n in names[:i]) <= 8, names
