@@ -55,3 +55,18 @@ def missing(packages: dict[str, str]) -> list[str]:
     ``sys.modules[name] = None`` counts as missing, as an import would.
     """
     return [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
+
+
+def auto_or_int_at_least(low: int):
+    """An argparse type: ``auto`` or an integer >= ``low``."""
+    as_int = int_at_least(low)
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return as_int(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= {low}, got {text!r}") from None
+
+    return parse

@@ -26,16 +26,6 @@ from mbs_ext.diagnostics import measure_saved_bytes
 PROG = "python -m mbs_ext demo"  # cli.PROG's demo
 
 
-def _micro_batch(text: str) -> int | str:
-    """An argparse type: ``auto`` or an integer >= 1."""
-    if text == "auto":
-        return text
-    try:
-        return argtypes.int_at_least(1)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -47,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         help="memory budget in MiB for activations + inputs; what --micro-batch auto plans for",
     )
     p.add_argument(
-        "--micro-batch", type=_micro_batch, default="auto",
+        "--micro-batch", type=argtypes.auto_or_int_at_least(1), default="auto",
         help="'auto' (the largest size the planner fits in --budget-mb) or a fixed size >= 1",
     )
     p.add_argument("--lr", type=argtypes.positive, default=2e-3, help="Adam learning rate")

@@ -385,16 +385,6 @@ def _sizes(text: str) -> str:
     return text
 
 
-def _image_size(text: str) -> int | str:
-    """An argparse type: ``auto`` or an integer >= 4 (the CNN halves the image twice)."""
-    if text == "auto":
-        return text
-    try:
-        return argtypes.int_at_least(4)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 4, got {text!r}") from None
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -418,7 +408,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=argtypes.seed, default=0, help="seed for the weights, split and order")
     p.add_argument("--lr", type=argtypes.positive, default=1e-3, help="Adam base lr, scaled by sqrt(B/micro)")
     p.add_argument(
-        "--image-size", type=_image_size, default="auto", help="image side in pixels; auto: 32 on cpu, 224 on cuda"
+        "--image-size", type=argtypes.auto_or_int_at_least(4), default="auto",
+        help="image side in pixels (>= 4: the CNN halves it twice); auto: 32 on cpu, 224 on cuda",
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
