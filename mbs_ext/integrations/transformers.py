@@ -43,7 +43,7 @@ from torch import nn
 from transformers import Trainer
 
 import mbs_ext
-from mbs_ext.options import StepOptions
+from mbs_ext import StepOptions
 
 __all__ = ["StreamingTrainer", "label_token_count", "loss_shifts_labels"]
 
