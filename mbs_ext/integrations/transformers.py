@@ -1,0 +1,221 @@
+"""Micro-batch streaming inside the Hugging Face ``transformers.Trainer``.
+
+``StreamingTrainer`` is a ``Trainer`` whose ``training_step`` streams each mini-batch
+through the model with :func:`mbs_ext.accumulate`, ``micro_batch_size`` rows at a time,
+and leaves everything else to the Trainer: clipping (``max_grad_norm``), the optimizer,
+the scheduler, mixed precision's GradScaler step, logging, checkpoints, evaluation::
+
+    from mbs_ext.integrations.transformers import StreamingTrainer
+
+    args = TrainingArguments("out", per_device_train_batch_size=512)  # the mini-batch
+    trainer = StreamingTrainer(model=model, args=args, train_dataset=ds, micro_batch_size=16)
+    trainer.train()
+
+One optimizer step equals the Trainer's step on the whole ``per_device_train_batch_size``
+batch (times the number of processes under DDP): the micro-batch losses are weighted by
+what the model's loss averages over. By default that is the number of label tokens the
+loss really scores: ``labels != -100``, and for causal LMs (whose loss shifts the labels
+by one) ``labels[..., 1:] != -100``, or ``shift_labels`` when the collator provides them.
+That is the same count the Trainer's own ``num_items_in_batch`` uses; the Trainer's count
+is not passed to the model (each micro-batch's loss is its own mean, and mbs_ext weights
+it), so nothing is normalized twice.
+
+The training DataLoader keeps batches on the host (pinned when
+``dataloader_pin_memory``): the Trainer's prepared DataLoader would otherwise move each
+whole batch to the device, which is exactly what streaming avoids.
+
+Refused, when the Trainer is made: ``gradient_accumulation_steps > 1`` (a larger
+``per_device_train_batch_size`` does the same exactly, with ``micro_batch_size`` bounding
+memory), DataParallel over several GPUs in one process (``n_gpu > 1``: launch one process
+per GPU), DeepSpeed, FSDP, and a ``compute_loss_func`` without an explicit ``normalize``
+(what a custom loss averages over cannot be guessed).
+
+This module imports ``transformers``; ``import mbs_ext`` does not import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+import mbs_ext
+from mbs_ext import StepOptions
+
+__all__ = ["StreamingTrainer", "label_token_count", "loss_shifts_labels"]
+
+IGNORE_INDEX = -100
+
+
+def label_token_count(shifted: bool, ignore_index: int = IGNORE_INDEX) -> Callable[[Any], torch.Tensor]:
+    """A ``normalize`` count: the label tokens a micro-batch's loss averages over.
+
+    ``shift_labels`` when the micro-batch has them (already shifted by the collator),
+    else ``labels[..., 1:]`` when ``shifted`` (causal LM losses drop the first position),
+    else ``labels``; tokens equal to ``ignore_index`` do not count. The count stays on the
+    micro-batch's device (no host sync).
+    """
+
+    def count(micro_batch: Any) -> torch.Tensor:
+        if not isinstance(micro_batch, Mapping) or ("labels" not in micro_batch and "shift_labels" not in micro_batch):
+            raise ValueError(
+                "StreamingTrainer: the batch has no 'labels', so the default normalize (the label tokens the "
+                "model's loss averages over) does not apply; pass normalize= (e.g. 'samples' or a "
+                "count(micro_batch) callable)"
+            )
+        if "shift_labels" in micro_batch:
+            labels = micro_batch["shift_labels"]
+        else:
+            labels = micro_batch["labels"]
+            if shifted:
+                labels = labels[..., 1:]
+        return (labels != ignore_index).sum()
+
+    return count
+
+
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether ``model``'s loss is the causal LM loss, which shifts labels by one (position 0
+    is never a target).
+
+    Read from the loss the model's forward really calls: ``model.loss_type`` mapped through
+    transformers' ``LOSS_MAPPING``, or, where the class name maps to no loss type (e.g.
+    ``GPT2LMHeadModel``, whose ``loss_function`` then falls back to ``ForCausalLMLoss``), the
+    causal LM classes of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Encoder-decoder models score
+    unshifted labels. (The Trainer's own ``_loss_shifts_labels`` misses the second case, so
+    its ``num_items_in_batch`` for ``GPT2LMHeadModel`` counts unshifted labels.)
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP and other wrappers
+        model = model.module
+    if type(model).__name__.startswith("Peft") and isinstance(getattr(model.base_model, "model", None), nn.Module):
+        model = model.base_model.model  # a PEFT model: the transformers model under its tuner
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is not None:
+        return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+class StreamingTrainer(Trainer):
+    """A ``transformers.Trainer`` that streams each training batch in micro-batches.
+
+    ``micro_batch_size``: rows per micro-batch (an int, or ``"auto"`` with
+    ``options=StepOptions(..., memory_budget=...)``). ``normalize``: what each micro-batch's
+    loss averages over; ``None`` (default) counts the label tokens the model's loss scores
+    (see :func:`label_token_count`); otherwise any :class:`mbs_ext.StepOptions` ``normalize``.
+    ``options``: further :class:`mbs_ext.StepOptions` fields (``accumulate_dtype``,
+    ``autocast_dtype``...). ``max_grad_norm`` and ``scaler`` belong to the Trainer
+    (``TrainingArguments.max_grad_norm``; the Accelerator's GradScaler under fp16).
+    Every other argument is the Trainer's.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        micro_batch_size: int | str,
+        normalize: Any = None,
+        options: StepOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        base = options if options is not None else StepOptions(micro_batch_size=micro_batch_size)
+        if not isinstance(base, StepOptions):
+            raise TypeError(f"options must be a mbs_ext.StepOptions, got {type(base).__name__}")
+        if base.max_grad_norm is not None or base.scaler is not None:
+            raise ValueError(
+                "options: max_grad_norm and scaler belong to the Trainer (TrainingArguments.max_grad_norm; "
+                "the Accelerator's GradScaler under fp16); leave them unset here"
+            )
+        self._check_setup(normalize)
+        self.stream_options = base.replace(micro_batch_size=micro_batch_size, normalize=normalize)
+        self.last_stream_result: mbs_ext.StepResult | None = None
+
+    def _check_setup(self, normalize: Any) -> None:
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"StreamingTrainer: gradient_accumulation_steps={args.gradient_accumulation_steps} is not supported. "
+                "Streaming already is exact gradient accumulation: set per_device_train_batch_size to the whole "
+                "mini-batch (per_device_train_batch_size * gradient_accumulation_steps) and "
+                "gradient_accumulation_steps=1; micro_batch_size bounds the memory"
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"StreamingTrainer: {args.n_gpu} GPUs in one process (torch.nn.DataParallel) are not supported; "
+                "launch one process per GPU (torchrun / accelerate launch): DistributedDataParallel is"
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("StreamingTrainer: DeepSpeed and FSDP are not supported (DistributedDataParallel is)")
+        if self.compute_loss_func is not None and normalize is None:
+            raise ValueError(
+                "StreamingTrainer: with a compute_loss_func, pass normalize= (what your loss averages over: "
+                "'samples', 'sum', or a count(micro_batch) callable); it is called without num_items_in_batch"
+            )
+
+    # ---- data: batches stay on the host ----
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The Trainer's training DataLoader, prepared by Accelerate (sharding, seeding) but without
+        device placement: each batch stays on the host and is streamed by mbs_ext."""
+        accelerator = self.accelerator
+        placement = accelerator.device_placement
+        accelerator.device_placement = False
+        try:
+            loader = super().get_train_dataloader()
+        finally:
+            accelerator.device_placement = placement
+        if type(loader).__name__ == "DataLoaderDispatcher":
+            raise ValueError(
+                "StreamingTrainer: Accelerate's dispatch_batches moves every batch to the device; "
+                "set accelerator_config={'dispatch_batches': False}"
+            )
+        if getattr(loader, "device", None) is not None:
+            loader.device = None
+        return loader
+
+    # ---- the step ----
+
+    def _normalize(self, batch: Any) -> Any:
+        normalize = self.stream_options.normalize
+        if normalize is not None:
+            return normalize
+        return label_token_count(loss_shifts_labels(self.model))
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Stream ``inputs`` (the whole per-device batch, on the host) through ``model`` in
+        micro-batches; the exact mini-batch gradients are left in ``.grad`` (replacing what was
+        there) for the Trainer's clipping and optimizer step. Returns the mini-batch loss (the
+        global one under DDP), detached, for logging.
+
+        ``num_items_in_batch`` is not used: each micro-batch's loss is its own mean and mbs_ext
+        weights it by its share of the (global) count, which is the same count.
+        """
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        batch = dict(inputs) if isinstance(inputs, Mapping) else inputs  # BatchEncoding is no dict
+
+        def loss_fn(m: nn.Module, micro_batch: Any) -> torch.Tensor:
+            mb = dict(micro_batch) if isinstance(micro_batch, Mapping) else micro_batch  # compute_loss may pop
+            with self.compute_loss_context_manager():
+                return self.compute_loss(m, mb)
+
+        result = mbs_ext.accumulate(
+            model, batch, loss_fn, options=self.stream_options, normalize=self._normalize(batch),
+            scaler=self.accelerator.scaler,
+        )
+        self.last_stream_result = result
+        dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
+        return torch.tensor(result.loss, dtype=dtype, device=self.args.device)

@@ -1,0 +1,241 @@
+"""StreamingTrainer against the plain transformers Trainer, single process, float64 on the CPU.
+
+The model is a causal LM built from a tiny config, trained on right-padded rows whose
+padding is labelled -100 (one row has a single real token, so after the causal shift it
+scores nothing). One Trainer step over 23 rows streamed at micro_batch_size=4 must equal the
+plain Trainer's full-batch step of the same configuration (AdamW, a linear schedule,
+clipping, logging every step) to 1e-10, for 1 and 3 steps, with the same logged losses; and
+the model must never see more than 4 rows at once.
+
+The 1e-10 comparisons use ``GPT2LMHeadModel`` in float64 with transformers' causal LM loss
+minus its ``logits.float()`` (which would round everything to float32); ``LlamaForCausalLM``
+as built is checked to float32 precision. With ``loss_type="ForCausalLM"`` the reference is
+the plain Trainer as is. Without it (``GPT2LMHeadModel``'s class name maps to no loss type,
+though its loss does shift), the plain Trainer's ``num_items_in_batch`` counts *unshifted*
+labels, so its full-batch loss is not the mean over the tokens scored; there the reference
+is the plain Trainer with ``model_accepts_loss_kwargs = False``: the model's own full-batch
+mean, which StreamingTrainer reproduces.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.loss.loss_utils import fixed_cross_entropy  # noqa: E402
+
+import mbs_ext  # noqa: E402
+from mbs_ext.integrations.transformers import StreamingTrainer, label_token_count, loss_shifts_labels  # noqa: E402
+
+N, T, VOCAB, M = 23, 7, 31, 4
+
+
+def causal_lm_loss_f64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                       **kwargs):
+    """transformers' ForCausalLMLoss without its ``logits.float()``, which would round a float64
+    model's logits to float32 (and any comparison to ~1e-7)."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits = logits.view(-1, vocab_size)
+    return fixed_cross_entropy(logits, shift_labels.view(-1).to(logits.device), num_items_in_batch, ignore_index,
+                               **kwargs)
+
+
+def make_model(kind: str = "gpt2") -> torch.nn.Module:
+    """A tiny causal LM in float64. "gpt2": GPT2LMHeadModel with the float64 causal LM loss and
+    ``loss_type="ForCausalLM"`` (so the plain Trainer counts shifted labels too); "gpt2-untyped":
+    the same without ``loss_type`` (as transformers builds it); "llama": LlamaForCausalLM as
+    built, whose RMSNorm and loss compute in float32."""
+    torch.manual_seed(0)
+    if kind.startswith("gpt2"):
+        config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(config).to(torch.float64)
+        model.loss_function = causal_lm_loss_f64
+        if kind == "gpt2":
+            model.loss_type = "ForCausalLM"
+        return model
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+class MeanLossTrainer(Trainer):
+    """The plain Trainer taking the model's own full-batch mean loss (no num_items_in_batch)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.model_accepts_loss_kwargs = False
+
+
+class Rows(torch.utils.data.Dataset):
+    """Right-padded causal LM rows: labels = input_ids where attended, -100 on padding."""
+
+    def __init__(self, n: int = N) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, VOCAB, (n, T), generator=g)
+        lengths = torch.randint(1, T + 1, (n,), generator=g)
+        lengths[5] = 1  # one real token: nothing to predict after the shift
+        self.mask = (torch.arange(T) < lengths[:, None]).long()
+        self.labels = torch.where(self.mask.bool(), self.ids, torch.full_like(self.ids, -100))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def training_args(tmp_path, steps: int, **kw) -> TrainingArguments:
+    base = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=N, max_steps=steps, learning_rate=1e-2,
+        lr_scheduler_type="linear", weight_decay=0.01, optim="adamw_torch", max_grad_norm=0.5,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_pin_memory=False,
+        disable_tqdm=True, seed=0,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def largest_batch_seen(model: torch.nn.Module) -> list[int]:
+    seen = [0]
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen[0] = max(seen[0], int(ids.shape[0]))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def logged_losses(trainer: Trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def run(trainer_cls, tmp_path, steps, kind="gpt2", **kw):
+    model = make_model(kind)
+    seen = largest_batch_seen(model)
+    trainer = trainer_cls(model=model, args=training_args(tmp_path, steps), train_dataset=Rows(), **kw)
+    trainer.train()
+    return trainer, seen[0]
+
+
+def full_batch_loss(model, rows: Rows) -> float:
+    with torch.no_grad():
+        return float(model(input_ids=rows.ids, attention_mask=rows.mask, labels=rows.labels).loss)
+
+
+@pytest.mark.parametrize(("kind", "steps"), [("gpt2", 1), ("gpt2", 3), ("gpt2-untyped", 1)])
+def test_streamed_trainer_equals_full_batch_trainer(tmp_path, kind, steps):
+    ref, ref_seen = run(Trainer if kind == "gpt2" else MeanLossTrainer, tmp_path / "ref", steps, kind)
+    mbs, mbs_seen = run(StreamingTrainer, tmp_path / "mbs", steps, kind, micro_batch_size=M)
+    assert [e["learning_rate"] for e in ref.state.log_history if "loss" in e][0] > 0
+    assert ref_seen == N  # the plain Trainer runs the whole batch at once
+    assert mbs_seen <= M  # the streamed one never does
+    assert mbs.last_stream_result.num_micro_batches == math.ceil(N / M)
+    assert mbs.state.global_step == ref.state.global_step == steps
+    for (name, p), q in zip(mbs.model.named_parameters(), ref.model.parameters()):
+        assert p.dtype == torch.float64
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-30)
+        assert err <= 1e-10, (name, err)
+    # The logged losses: the Trainer accumulates them in a float32 tensor, so both are rounded
+    # to float32 from float64 values equal to 1e-10.
+    ours, theirs = logged_losses(mbs), logged_losses(ref)
+    assert len(ours) == len(theirs) == steps
+    for a, b in zip(ours, theirs):
+        assert a == pytest.approx(b, rel=1e-6)
+    grad_norms = [e["grad_norm"] for e in mbs.state.log_history if "grad_norm" in e]
+    ref_norms = [e["grad_norm"] for e in ref.state.log_history if "grad_norm" in e]
+    assert grad_norms == pytest.approx(ref_norms, rel=1e-9)
+
+
+def test_stock_llama_float32_loss(tmp_path):
+    """LlamaForCausalLM as built (RMSNorm and the loss round to float32): equal to float32 precision."""
+    ref, _ = run(Trainer, tmp_path / "ref", 1, "llama")
+    mbs, seen = run(StreamingTrainer, tmp_path / "mbs", 1, "llama", micro_batch_size=M)
+    assert seen <= M
+    for p, q in zip(mbs.model.parameters(), ref.model.parameters()):
+        assert (p - q).abs().max().item() <= 1e-5 * q.abs().max().item()
+    assert logged_losses(mbs)[0] == pytest.approx(logged_losses(ref)[0], rel=1e-6)
+
+
+def test_first_logged_loss_is_the_full_batch_loss(tmp_path):
+    rows = Rows()
+    before = full_batch_loss(make_model(), rows)
+    mbs, _ = run(StreamingTrainer, tmp_path, 1, micro_batch_size=M)
+    assert mbs.last_stream_result.loss == pytest.approx(before, rel=1e-12)
+    assert logged_losses(mbs)[0] == pytest.approx(before, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2-untyped"])
+def test_default_count_is_what_the_loss_averages_over(tmp_path, kind):
+    """The model's mean loss times the default count is its summed loss (num_items_in_batch=1
+    makes the causal LM loss a sum): the count is exactly what the loss divides by."""
+    model = make_model(kind)
+    trainer = StreamingTrainer(model=model, args=training_args(tmp_path, 1), train_dataset=Rows(),
+                               micro_batch_size=M)
+    rows = Rows()
+    assert loss_shifts_labels(model)
+    batch = {"input_ids": rows.ids, "attention_mask": rows.mask, "labels": rows.labels}
+    count = trainer._normalize(batch)
+    assert int(count(batch)) == int((rows.labels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        mean = model(**batch).loss
+        total = model(**batch, num_items_in_batch=1).loss
+    assert float(mean * count(batch)) == pytest.approx(float(total), rel=1e-12)
+    assert int(count({"labels": rows.labels, "shift_labels": rows.labels})) == int((rows.labels != -100).sum())
+    assert int(label_token_count(False)(batch)) == int((rows.labels != -100).sum())
+
+
+def test_train_batches_stay_on_the_host(tmp_path):
+    trainer = StreamingTrainer(model=make_model(), args=training_args(tmp_path, 1), train_dataset=Rows(),
+                               micro_batch_size=M)
+    loader = trainer.get_train_dataloader()
+    assert getattr(loader, "device", None) is None  # no device placement: mbs_ext streams
+    assert Trainer.get_train_dataloader(trainer).device is not None  # the plain Trainer's would move it
+    batch = next(iter(loader))
+    assert all(v.device.type == "cpu" for v in batch.values())
+    assert len(batch["input_ids"]) == N
+
+
+def test_gradient_accumulation_refused(tmp_path):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        StreamingTrainer(model=make_model(), args=training_args(tmp_path, 1, gradient_accumulation_steps=2),
+                         train_dataset=Rows(), micro_batch_size=M)
+
+
+def test_compute_loss_func_needs_normalize(tmp_path):
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return outputs.logits.float().pow(2).mean()
+
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        StreamingTrainer(model=make_model(), args=training_args(tmp_path, 1), train_dataset=Rows(),
+                         compute_loss_func=loss_func, micro_batch_size=M)
+
+
+def test_trainer_options_refused(tmp_path):
+    with pytest.raises(ValueError, match="belong to the Trainer"):
+        StreamingTrainer(model=make_model(), args=training_args(tmp_path, 1), train_dataset=Rows(),
+                         micro_batch_size=M, options=mbs_ext.StepOptions(micro_batch_size=M, max_grad_norm=1.0))
+
+
+def test_import_mbs_ext_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, mbs_ext, mbs_ext.integrations; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
