@@ -38,11 +38,31 @@ def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
         return trainable(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_framework_optimizer(optimizer)
     params = trainable(model)
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not any(id(p) in owned for p in params):
         raise ValueError("optimizer owns none of the model's trainable parameters")
     return params
+
+
+def _check_framework_optimizer(optimizer: Any) -> None:
+    """An optimizer a framework wrapped (Accelerate's ``AcceleratedOptimizer``, read by duck
+    typing) that steps its own GradScaler, or skips its step while gradients accumulate, cannot
+    take the step's update: refuse before anything changes and say what works."""
+    scaler = getattr(optimizer, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+        raise ValueError(
+            f"optimizer ({type(optimizer).__name__}) steps and updates its own GradScaler, which would "
+            "double up with the step's: call mbs_ext.accumulate(model, batch, loss_fn, ..., "
+            "scaler=accelerator.scaler), then optimizer.step()"
+        )
+    if getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True) is False:
+        raise ValueError(
+            f"optimizer ({type(optimizer).__name__}) skips its step while gradients accumulate "
+            "(inside accelerator.accumulate()): mbs_ext.step already streams the whole mini-batch; "
+            "call it outside accelerator.accumulate()"
+        )
 
 
 def check_grad_mode() -> None:

@@ -189,6 +189,28 @@ def test_step_with_a_prepared_optimizer_without_scaler(fresh_state):
     assert losses == pytest.approx(ref_losses, rel=1e-12)
 
 
+def test_step_refuses_a_prepared_optimizer_that_owns_a_grad_scaler(fresh_state):
+    """mbs_ext.step would unscale, step and update once and the prepared optimizer's own
+    GradScaler again: refused before anything changes, naming the pattern that works."""
+    acc = Accelerator(cpu=True)
+    acc.scaler = torch.amp.GradScaler("cpu")
+    model, optimizer, _ = make(acc, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"own GradScaler.*mbs_ext.accumulate\(.*scaler=accelerator.scaler"):
+        mbs_ext.step(model, optimizer, data(), loss_fn, micro_batch_size=M, normalize=tokens)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_refuses_to_run_inside_accelerator_accumulate(fresh_state):
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer, _ = make(acc, 1)
+    with acc.accumulate(model):
+        assert not acc.sync_gradients
+        with pytest.raises(ValueError, match=r"outside accelerator.accumulate\(\)"):
+            mbs_ext.step(model, optimizer, data(), loss_fn, micro_batch_size=M, normalize=tokens)
+
+
 # ---- two gloo ranks ----
 
 RANK_ROWS = (10, 7)
