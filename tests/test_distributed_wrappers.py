@@ -18,12 +18,13 @@ about 40 s for all the wrapper cases on 2 cores with a cold cache, 20 s warm);
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_harness import WORLD, run_world
+from ddp_harness import WORLD, WorldFailed, run_world
 from helpers import TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -328,3 +329,36 @@ def test_ddp_collectives_per_step(sync_results, name):
                 # DDP's buckets once (the last micro-batch's backward), + 1 for the step's totals.
                 assert got["buckets"] == own["buckets"], (rank, m, got)
                 assert got["all_reduce"] == own["buckets"] + 1, (rank, m, got)
+
+
+# --- the watchdog itself ---------------------------------------------------------------------
+
+
+def _hang_on_rank_1(rank):
+    if rank == 1:
+        time.sleep(600)  # never joins the collective below
+    dist.all_reduce(torch.ones(1))
+
+
+def _abort_on_rank_1(rank):
+    if rank == 1:
+        os.abort()  # a native crash: no Python exception, no result
+    dist.all_reduce(torch.ones(1))
+
+
+def test_watchdog_fails_a_hang_with_every_ranks_stacks(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorldFailed) as info:
+        run_world(_hang_on_rank_1, timeout=6, grace=3, out_dir=tmp_path)
+    text = str(info.value)
+    assert time.monotonic() - t0 < 60
+    assert "rank 0 stacks" in text and "rank 1 stacks" in text, text
+    assert text.count("_hang_on_rank_1") >= 2, text  # where each rank was stuck
+    assert "all_reduce" in text, text
+
+
+def test_watchdog_reports_a_native_crash(tmp_path):
+    with pytest.raises(WorldFailed) as info:
+        run_world(_abort_on_rank_1, timeout=30, grace=3, out_dir=tmp_path)
+    text = str(info.value)
+    assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text, text
