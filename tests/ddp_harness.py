@@ -8,13 +8,16 @@ Nothing here can leave a CI job stuck:
 
 * The parent holds the rendezvous store on a port the OS picked (port 0): no port
   race, no retry loop.
-* Each rank arms ``faulthandler.dump_traceback_later``: past ``timeout`` seconds it
-  writes every thread's Python stack and exits by itself. A native crash (SIGABRT,
-  SIGSEGV) dumps the stacks too.
-* The parent waits at most ``timeout + grace``; when one rank fails, the others get a
-  few seconds (they may be waiting in a collective for the failed one), then the parent
-  asks each live rank for its stacks (SIGUSR1) and kills it. The error names every
-  rank's exit code, its Python traceback and its dumped stacks.
+* The parent waits at most ``timeout`` seconds; then it asks every live rank for its
+  Python stacks at once (SIGUSR1, faulthandler) and kills it. When one rank fails, the
+  others get ``grace`` seconds (they may be waiting in a collective for the failed
+  one) before the same. The error names every rank's exit code, its Python traceback
+  and its dumped stacks. A native crash (SIGABRT, SIGSEGV) dumps the stacks too.
+* Backups that fire only later, so that the parent's snapshot of *every* rank comes
+  first (a rank timing out on its own would make its peers fail with "connection
+  closed" instead of showing where they were): each rank arms
+  ``faulthandler.dump_traceback_later`` (dump and exit, in case the parent is gone) and
+  the process group's timeout, both ``timeout + BACKUP_S``.
 * A rank that finished leaves through ``os._exit`` after ``destroy_process_group``:
   gloo's worker threads outlive the process group (torch 2.13, 2.14), and one still
   running while the interpreter finalizes can abort the process ("terminate called
@@ -42,6 +45,7 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 HOST = "127.0.0.1"
+BACKUP_S = 60.0
 
 
 class WorldFailed(AssertionError):
@@ -53,13 +57,14 @@ def _child(rank: int, world: int, port: int, out: str, timeout: float, fn: Calla
     stacks = open(out_dir / f"stacks_{rank}.txt", "w")  # noqa: SIM115 - open until the process exits
     faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
-    faulthandler.dump_traceback_later(timeout, exit=True, file=stacks)
+    backup = timeout + BACKUP_S
+    faulthandler.dump_traceback_later(backup, exit=True, file=stacks)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=timedelta(seconds=backup))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=backup))
         result = fn(rank, *args)
         torch.save(result, out_dir / f"result_{rank}.pt")
         gc.collect()  # DDP models and their reducers go now, not during teardown
@@ -107,7 +112,7 @@ def run_world(fn: Callable, *args: Any, world: int = WORLD, timeout: float = 90.
              for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout + grace
+    deadline = time.monotonic() + timeout
     why = None
     try:
         while any(p.is_alive() for p in procs):
@@ -120,7 +125,7 @@ def run_world(fn: Callable, *args: Any, world: int = WORLD, timeout: float = 90.
                 why = "a rank failed"
                 break
             if time.monotonic() > deadline:
-                why = f"timed out after {timeout + grace:.0f} s (a hang)"
+                why = f"timed out after {timeout:.0f} s (a hang)"
                 break
             time.sleep(0.05)
     finally:
