@@ -20,19 +20,38 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 # Attributes through which wrappers expose the module they wrap: torch.compile's
-# OptimizedModule (_orig_mod), and ``.module`` (DDP itself, Lightning Fabric, Accelerate).
-_WRAPPED = ("_orig_mod", "module")
+# OptimizedModule (_orig_mod), Lightning Fabric's _FabricModule (_forward_module: what its
+# forward calls, the DDP module; its ``.module`` is the *unwrapped* model), and ``.module``
+# (DDP itself, Accelerate, most others).
+_WRAPPED = ("_orig_mod", "_forward_module", "module")
+
+
+def _inner(m: Any) -> list[nn.Module]:
+    """The modules ``m`` exposes as wrapped, in :data:`_WRAPPED` order."""
+    out = []
+    for a in _WRAPPED:
+        try:
+            inner = getattr(m, a, None)
+        except Exception:  # a wrapper's __getattr__ may raise anything
+            inner = None
+        if isinstance(inner, nn.Module) and inner is not m:
+            out.append(inner)
+    return out
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The DistributedDataParallel module ``model`` is or wraps, if any."""
+    """The DistributedDataParallel module ``model`` is or wraps, if any (every wrapper path is
+    searched, since a wrapper may expose both the module it calls and the unwrapped one)."""
     seen: set[int] = set()
-    m: Any = model
-    while isinstance(m, nn.Module) and id(m) not in seen:
+    todo: list[Any] = [model]
+    while todo:
+        m = todo.pop(0)
+        if not isinstance(m, nn.Module) or id(m) in seen:
+            continue
         if isinstance(m, DistributedDataParallel):
             return m
         seen.add(id(m))
-        m = next((getattr(m, a) for a in _WRAPPED if isinstance(getattr(m, a, None), nn.Module)), None)
+        todo.extend(_inner(m))
     return None
 
 
@@ -42,10 +61,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     m = model
     while id(m) not in seen:
         seen.add(id(m))
-        inner = next((getattr(m, a) for a in _WRAPPED if isinstance(getattr(m, a, None), nn.Module)), None)
-        if inner is None:
+        inner = _inner(m)
+        if not inner:
             return m
-        m = inner
+        m = inner[0]
     return m
 
 
@@ -63,7 +82,8 @@ class Ranks:
         if ddp is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(
-                    f"model is a plain {type(model).__name__} while torch.distributed runs with "
+                    f"model is a plain {type(model).__name__} (no DistributedDataParallel in it or behind "
+                    f"{'/'.join('.' + a for a in _WRAPPED)}) while torch.distributed runs with "
                     f"{dist.get_world_size()} ranks: each rank would take its own optimizer step and the "
                     "replicas would drift apart. Wrap the model in DistributedDataParallel (the step then "
                     "normalizes over all ranks), or step each rank alone on purpose outside mbs_ext"

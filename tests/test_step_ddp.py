@@ -1,5 +1,8 @@
 """2-process gloo DDP: a streamed step equals one single-process step on the global batch.
 
+The ranks run under ``tests/ddp_harness.py`` (a hang or crash fails with every rank's
+Python stacks, never a stuck job).
+
 Runs with the models on the CPU and, where a GPU exists, on CUDA (both ranks on one GPU
 share it through gloo, which all-reduces CUDA tensors; NCCL refuses two ranks on one
 device). The batch stays on the host; the reference is a float64 full-batch step.
@@ -8,24 +11,16 @@ device). The batch stays on the host; the reference is a float64 full-batch step
 from __future__ import annotations
 
 import copy
-import faulthandler
-import gc
 import os
-import socket
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ddp_harness import WORLD, run_world
 from helpers import DEVICE_PARAMS, PoisonGrad, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
 from torch import nn
 
 import mbs_ext
-
-WORLD = 2
-
 
 
 def mse(model, batch):
@@ -152,55 +147,21 @@ def _scenarios(rank, device, out_dir):
         )
 
 
-def _worker(rank, port, out_dir, device):
-    # A native crash (SIGABRT, SIGSEGV) leaves no Python traceback for mp.spawn to report: dump
-    # every thread's Python stack to a file the fixture prints.
-    fault_log = open(os.path.join(out_dir, f"fault_{rank}.txt"), "w")  # noqa: SIM115 - open until exit
-    faulthandler.enable(file=fault_log, all_threads=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        if device == "cuda":
-            device = f"cuda:{rank % torch.cuda.device_count()}"
-            torch.cuda.set_device(device)
-        _scenarios(rank, device, out_dir)
-        _agreement(rank, device, out_dir)
-        gc.collect()  # the DDP models go now, not at some later point
-        dist.barrier()  # no rank tears down while the other still talks to it
-    finally:
-        dist.destroy_process_group()
-    # Every result is on disk: leave without interpreter finalization. Once DDP has used the
-    # group, gloo's worker threads outlive destroy_process_group (torch 2.13 and 2.14), and a
-    # native thread still running while the interpreter tears down can abort the process after
-    # the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank, out_dir, device):
+    # Process group, watchdog (stacks of every rank on a hang or crash) and teardown (through
+    # os._exit, after destroy_process_group) are the harness's.
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    _scenarios(rank, device, out_dir)
+    _agreement(rank, device, out_dir)
 
 
 @pytest.fixture(scope="module", params=DEVICE_PARAMS)
 def ddp_results(request, tmp_path_factory):
     device = request.param
     out = tmp_path_factory.mktemp(f"ddp_{device}")
-    # The free port is only reserved until the socket closes; on a busy machine another
-    # process can take it before rank 0 binds it, so a failed rendezvous gets new ports.
-    for attempt in range(3):
-        try:
-            mp.spawn(_worker, args=(_free_port(), str(out), device), nprocs=WORLD, join=True)
-            break
-        except mp.ProcessRaisedException as exc:
-            network = ("EADDRINUSE", "address already in use", "Connection", "Socket", "Gloo", "timed out", "Timeout")
-            if attempt == 2 or not any(k in str(exc) for k in network):
-                raise
-        except mp.ProcessExitedException as exc:
-            dumps = "\n".join(f"--- {f.name}:\n{f.read_text()}" for f in sorted(out.glob("fault_*.txt")))
-            raise RuntimeError(f"{exc}\nPython stacks at the crash:\n{dumps}") from exc
+    run_world(_worker, str(out), device, timeout=240, out_dir=out)
     results = {name: [torch.load(out / f"{name}_{r}.pt") for r in range(WORLD)] for name in SCENARIOS}
     for name in AGREEMENT:
         results[f"agree_{name}"] = [torch.load(out / f"agree_{name}_{r}.pt") for r in range(WORLD)]

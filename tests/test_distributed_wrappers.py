@@ -1,0 +1,364 @@
+"""DDP off the paved path: wrapped, compiled, or missing, on two gloo processes.
+
+Every case runs on two CPU processes (``tests/ddp_harness.py``, with its watchdog) with
+10 rows on rank 0 and 7 on rank 1 at ``micro_batch_size=3`` (4 and 3 micro-batches),
+in float64, and is checked against one single-process full-batch step on all 17 rows
+to 1e-12: token counts (``normalize=callable``, a device count) and sample counts.
+
+Wrappers: ``DDP(model)``, ``DDP(torch.compile(model))``, ``torch.compile(DDP(model))``
+(once a hang: the compiled wrapper was not seen as DDP, so no rank synced), and Lightning
+Fabric's ``_FabricModule`` from ``Fabric(strategy="ddp").setup`` (whose ``.module`` is
+the *unwrapped* model; the DDP module is its ``_forward_module``), with and without
+``torch.compile``; Fabric casts outputs to the default dtype, so its cases run with
+float64 as the default. Compiled models use inductor (C++ code generation on the CPU:
+about 40 s for all the wrapper cases on 2 cores with a cold cache, 20 s warm);
+``MBS_TEST_COMPILE_BACKEND=aot_eager`` traces the same graphs without generating code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ddp_harness import WORLD, WorldFailed, run_world
+from helpers import TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mbs_ext
+
+ROWS = (10, 7)  # rows of rank 0 and rank 1
+M = 3  # micro_batch_size: 4 micro-batches on rank 0, 3 on rank 1
+STEPS = 2
+TOL = 1e-12
+COMPILE_BACKEND = os.environ.get("MBS_TEST_COMPILE_BACKEND", "inductor")
+
+WRAPPERS = ["ddp", "ddp_of_compiled", "compiled_ddp", "fabric", "fabric_compiled"]
+DATA = ["tokens", "samples"]
+
+
+def lm_data(n=sum(ROWS), t=6, vocab=11):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    keep = torch.randint(1, t + 1, (n, 1), generator=g)  # unequal token counts per row
+    labels = torch.where(torch.arange(t) < keep, torch.roll(ids, -1, 1), torch.full_like(ids, -100))
+    return {"ids": ids, "labels": labels}
+
+
+def mlp_data(n=sum(ROWS)):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+class MLP(nn.Module):
+    """A forward defined here, not in torch.nn: ``torch.compile(DDP(model))`` skips frames of
+    torch's own modules (DDP.forward, nn.Sequential.forward), so it would compile nothing of
+    an nn.Sequential and quietly run it eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def case(data_kind):
+    """(model, data, loss_fn, normalize) of a data kind; the model in float64, seeded."""
+    torch.manual_seed(0)
+    if data_kind == "tokens":
+        return TinyLM().double(), lm_data(), lm_loss, token_count
+    return MLP().double(), mlp_data(), mse, "samples"
+
+
+def rows_of(data, rank):
+    lo = sum(ROWS[:rank])
+    hi = lo + ROWS[rank]
+    if isinstance(data, dict):
+        return {k: v[lo:hi] for k, v in data.items()}
+    return tuple(v[lo:hi] for v in data)
+
+
+def _fabric(rank):
+    from lightning.fabric import Fabric
+
+    # The process group exists already (the harness made it): Fabric sees the processes as
+    # created externally (LOCAL_RANK is set) and skips its own launch and rendezvous.
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=WORLD, num_nodes=1, precision="64-true")
+    fabric.launch()
+    return fabric
+
+
+def wrap(wrapper, model, rank):
+    """(wrapped model, optimizer) for one of WRAPPERS."""
+    if wrapper == "ddp":
+        model = DDP(model)
+    elif wrapper == "ddp_of_compiled":
+        model = DDP(torch.compile(model, backend=COMPILE_BACKEND))
+    elif wrapper == "compiled_ddp":
+        model = torch.compile(DDP(model), backend=COMPILE_BACKEND)
+    if not wrapper.startswith("fabric"):
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fabric = _fabric(rank)
+    if wrapper == "fabric_compiled":
+        model = torch.compile(model, backend=COMPILE_BACKEND)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    return model, opt
+
+
+def _wrapped_steps(rank):
+    out = {}
+    for wrapper in WRAPPERS:
+        for data_kind in DATA:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            torch.set_default_dtype(torch.float32)
+            model, data, loss_fn, normalize = case(data_kind)  # the reference's initial values
+            # Fabric casts a module's outputs to the default dtype (precision="64-true" too):
+            # float64 outputs need a float64 default.
+            torch.set_default_dtype(torch.float64 if wrapper.startswith("fabric") else torch.float32)
+            plain = model
+            model, opt = wrap(wrapper, model, rank)
+            local = rows_of(data, rank)
+            losses = []
+            for _ in range(STEPS):
+                res = mbs_ext.step(model, opt, local, loss_fn, micro_batch_size=M, normalize=normalize)
+                losses.append(res.loss)
+            out[wrapper, data_kind] = {
+                "type": type(model).__name__,
+                "num_micro_batches": res.num_micro_batches,
+                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                "losses": losses,
+                "params": {k: v.detach().clone() for k, v in plain.named_parameters()},
+                "grads": {k: v.grad.detach().clone() for k, v in plain.named_parameters()},
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrapped_results(tmp_path_factory):
+    return run_world(_wrapped_steps, timeout=300, out_dir=tmp_path_factory.mktemp("wrappers"))
+
+
+def reference(data_kind):
+    model, data, loss_fn, _ = case(data_kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = [full_batch_step(model, opt, data, loss_fn)[0] for _ in range(STEPS)]
+    return model, losses
+
+
+@pytest.mark.parametrize("data_kind", DATA)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrapped_ddp_equals_single_process_full_batch(wrapped_results, wrapper, data_kind):
+    ref, ref_losses = reference(data_kind)
+    per_rank = [r[wrapper, data_kind] for r in wrapped_results]
+    assert [r["num_micro_batches"] for r in per_rank] == [4, 3]  # uneven: a real test of the sync
+    if "compiled" in wrapper:  # compiled for real, not silently run eagerly
+        assert all(r["graphs"] > 0 for r in per_rank), [r["graphs"] for r in per_rank]
+    for rank, res in enumerate(per_rank):
+        for got, want in zip(res["losses"], ref_losses, strict=True):
+            assert abs(got - want) <= TOL * abs(want), (rank, got, want)
+        for k, q in ref.named_parameters():
+            assert rel_err(res["grads"][k], q.grad) <= TOL, (rank, k, rel_err(res["grads"][k], q.grad))
+            assert rel_err(res["params"][k], q) <= TOL, (rank, k, rel_err(res["params"][k], q))
+
+
+# --- a plain model under a world of 2: refused on every rank, nothing changed ---------------
+
+
+def _plain_model(rank):
+    model, data, loss_fn, _ = case("samples")
+    local = rows_of(data, rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn(model, local).backward()  # optimizer state and .grad exist before the refused calls
+    opt.step()
+    before = snapshot(model, opt)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    errors = []
+    for call in (
+        lambda: mbs_ext.step(model, opt, local, loss_fn, micro_batch_size=M),
+        lambda: mbs_ext.accumulate(model, local, loss_fn, micro_batch_size=M),
+        lambda: mbs_ext.MicroBatchStreamer(model, opt, loss_fn, micro_batch_size=M).step(local),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    # Both ranks still talk: no rank was left inside a collective.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"errors": errors, "before": before, "after": snapshot(model, opt), "grads": grads,
+            "grads_after": {k: p.grad.clone() for k, p in model.named_parameters()}, "world": t.item()}
+
+
+def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
+    for rank, res in enumerate(run_world(_plain_model, timeout=60, out_dir=tmp_path)):
+        assert res["world"] == WORLD
+        for error in res["errors"]:
+            assert error is not None, rank
+            assert "plain MLP" in error and "2 ranks" in error, error
+            assert "Wrap the model in DistributedDataParallel" in error, error  # the fix
+        assert_bit_identical(res["before"], res["after"])
+        for k, g in res["grads"].items():
+            assert torch.equal(g, res["grads_after"][k]), (rank, k)
+
+
+# --- host syncs and collectives per step under DDP -----------------------------------------
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: every ``.item()``/``float(t)``/``bool(t)`` (a host sync
+    on a GPU); and ``Tensor.tolist`` calls, which read a whole tensor at once without that op
+    on the CPU (the finish reads everything it needs with one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+SYNC_ROWS = (16, 12)
+SYNC_SIZES = (8, 2)  # micro_batch_size: 2 and 2, then 8 and 6 micro-batches per rank
+# name: (parameter dtype, normalize, accumulate_dtype)
+SYNC_CASES = {
+    "tokens": (torch.float64, token_count, None),
+    "samples": (torch.float64, "samples", None),
+    "tokens_buffers": (torch.float32, token_count, torch.float64),
+}
+
+
+def _syncs(rank):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = {"all_reduce": 0, "buckets": 0, "tolist": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    def counting_hook(state, bucket):
+        calls["buckets"] += 1
+        return allreduce_hook(None, bucket)  # DDP's own all-reduce of the bucket
+
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        calls["tolist"] += 1
+        return real_tolist(self)
+
+    dist.all_reduce = counting_all_reduce
+    torch.Tensor.tolist = counting_tolist
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 11, (SYNC_ROWS[rank], 7), generator=g)
+    keep = torch.randint(1, 8, (SYNC_ROWS[rank], 1), generator=g)
+    batch = {"ids": ids, "labels": torch.where(torch.arange(7) < keep, torch.roll(ids, -1, 1), -100)}
+    out = {}
+    try:
+        for name, (dtype, normalize, acc) in SYNC_CASES.items():
+            torch.manual_seed(0)
+            # A tiny bucket cap: every parameter its own bucket once DDP rebuilt them, so more
+            # than one DDP all-reduce per synced backward.
+            model = DDP(TinyLM().to(dtype), bucket_cap_mb=1e-6)
+            model.register_comm_hook(None, counting_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            for _ in range(2):  # DDP rebuilds its buckets after the first backward
+                calls.update(all_reduce=0, buckets=0)
+                lm_loss(model, batch).backward()
+            own = {"all_reduce": calls["all_reduce"], "buckets": calls["buckets"]}
+            model.zero_grad()
+            for m in SYNC_SIZES:
+                streamer = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=normalize,
+                                                      accumulate_dtype=acc)
+                streamer.step(batch)  # warm: the ring exists
+                calls.update(all_reduce=0, buckets=0, tolist=0)
+                with ScalarReads() as reads:
+                    res = streamer.step(batch)
+                out[name, m] = {"reads": reads.count + calls["tolist"], "num_micro_batches": res.num_micro_batches,
+                                "all_reduce": calls["all_reduce"], "buckets": calls["buckets"]}
+            out[name, "own"] = own
+    finally:
+        dist.all_reduce = real_all_reduce
+        torch.Tensor.tolist = real_tolist
+    return out
+
+
+@pytest.fixture(scope="module")
+def sync_results(tmp_path_factory):
+    return run_world(_syncs, timeout=120, out_dir=tmp_path_factory.mktemp("syncs"))
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_CASES))
+def test_ddp_host_reads_do_not_grow_with_micro_batches(sync_results, name):
+    for rank, res in enumerate(sync_results):
+        few, many = res[name, SYNC_SIZES[0]], res[name, SYNC_SIZES[1]]
+        assert (few["num_micro_batches"], many["num_micro_batches"]) == ((2, 8), (2, 6))[rank]
+        # One batched read per step (the finish's), whatever the number of micro-batches.
+        assert few["reads"] == many["reads"] == 1, (rank, few, many)
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_CASES))
+def test_ddp_collectives_per_step(sync_results, name):
+    buffered = SYNC_CASES[name][2] is not None
+    for rank, res in enumerate(sync_results):
+        own = res[name, "own"]
+        assert own["buckets"] == 3 and own["all_reduce"] == 3, own  # TinyLM's 3 parameters, one bucket each
+        for m in SYNC_SIZES:
+            got = res[name, m]
+            if buffered:
+                # Every backward under no_sync; the float64 buffer is summed in one all-reduce of its own.
+                assert got["buckets"] == 0 and got["all_reduce"] == 1 + 1, (rank, m, got)
+            else:
+                # DDP's buckets once (the last micro-batch's backward), + 1 for the step's totals.
+                assert got["buckets"] == own["buckets"], (rank, m, got)
+                assert got["all_reduce"] == own["buckets"] + 1, (rank, m, got)
+
+
+# --- the watchdog itself ---------------------------------------------------------------------
+
+
+def _hang_on_rank_1(rank):
+    if rank == 1:
+        time.sleep(600)  # never joins the collective below
+    dist.all_reduce(torch.ones(1))
+
+
+def _abort_on_rank_1(rank):
+    if rank == 1:
+        os.abort()  # a native crash: no Python exception, no result
+    dist.all_reduce(torch.ones(1))
+
+
+def test_watchdog_fails_a_hang_with_every_ranks_stacks(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorldFailed) as info:
+        run_world(_hang_on_rank_1, timeout=6, grace=3, out_dir=tmp_path)
+    text = str(info.value)
+    assert time.monotonic() - t0 < 60
+    assert "rank 0 stacks" in text and "rank 1 stacks" in text, text
+    assert text.count("_hang_on_rank_1") >= 2, text  # where each rank was stuck
+    assert "all_reduce" in text, text
+
+
+def test_watchdog_reports_a_native_crash(tmp_path):
+    with pytest.raises(WorldFailed) as info:
+        run_world(_abort_on_rank_1, timeout=30, grace=3, out_dir=tmp_path)
+    text = str(info.value)
+    assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text, text
