@@ -130,9 +130,11 @@ class TestSplitAndValidators:
 
     def test_batch_and_indices(self):
         data = (torch.zeros(10, 2), torch.zeros(10))
-        assert batch.check(data, None, torch.device("cpu")) == (10, None)
-        rows, idx = batch.check(data, torch.tensor([3, 1, 3], dtype=torch.int32), torch.device("cpu"))
-        assert rows == 3 and idx.dtype == torch.int64 and idx.tolist() == [3, 1, 3]
+        info = batch.check(data, None, torch.device("cpu"))
+        assert (info.rows, info.indices, info.pair) == (10, None, True)
+        assert info.signature == (((2,), torch.float32), ((), torch.float32))
+        info = batch.check(data, torch.tensor([3, 1, 3], dtype=torch.int32), torch.device("cpu"))
+        assert info.rows == 3 and info.indices.dtype == torch.int64 and info.indices.tolist() == [3, 1, 3]
         for bad, match in [(torch.tensor([10]), "index 10"), (torch.tensor([-1]), "negative index -1"),
                            (torch.tensor([[1]]), "1-d"), (torch.tensor([], dtype=torch.int64), "empty"),
                            ([1, 2], "torch.Tensor"), (torch.tensor([1.0]), "int64")]:

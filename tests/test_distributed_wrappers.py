@@ -42,7 +42,10 @@ WRAPPERS = ["ddp", "ddp_of_compiled", "compiled_ddp", "fabric", "fabric_compiled
 DATA = ["tokens", "samples"]
 
 
-def lm_data(n=sum(ROWS), t=6, vocab=11):
+TOTAL_ROWS = sum(ROWS)
+
+
+def lm_data(n=TOTAL_ROWS, t=6, vocab=11):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab, (n, t), generator=g)
     keep = torch.randint(1, t + 1, (n, 1), generator=g)  # unequal token counts per row
@@ -50,7 +53,7 @@ def lm_data(n=sum(ROWS), t=6, vocab=11):
     return {"ids": ids, "labels": labels}
 
 
-def mlp_data(n=sum(ROWS)):
+def mlp_data(n=TOTAL_ROWS):
     g = torch.Generator().manual_seed(5)
     return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
 
