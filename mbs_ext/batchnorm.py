@@ -187,7 +187,8 @@ def deferring(model: nn.Module) -> Iterator[list[_DeferredStats]]:
     object, parameters and buffers) and get their own class back afterwards, whatever
     happens in the block.
     """
-    for name, m in model.named_modules():
+    plain, layers = [], []
+    for name, m in model.named_modules():  # one walk: this runs every step
         if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
             raise ValueError(
                 f"model has an nn.SyncBatchNorm in training mode ({name or 'the model'}): its forward "
@@ -195,15 +196,18 @@ def deferring(model: nn.Module) -> Iterator[list[_DeferredStats]]:
                 "Use nn.BatchNorm (mbs_ext commits its statistics once per mini-batch) or call "
                 "model.eval() on that layer"
             )
+        if type(m) in _TWINS:
+            plain.append(m)
+        if isinstance(m, _DeferredStats) or type(m) in _TWINS:
+            layers.append(m)
     swapped = []
     try:
-        for m in model.modules():
-            if type(m) in _TWINS:
-                original = type(m)
-                m.__class__ = _TWINS[original]
-                m._deferred_init()
-                swapped.append((m, original))
-        yield deferred_layers(model)
+        for m in plain:
+            original = type(m)
+            m.__class__ = _TWINS[original]
+            m._deferred_init()
+            swapped.append((m, original))
+        yield layers
     finally:
         for m, original in swapped:
             m.__class__ = original

@@ -1,9 +1,9 @@
 """Finishing a step: the one host sync, the non-finite check, then skip or step.
 
 Everything the decision needs (the mini-batch loss, the total count, whether a count
-or a gradient went bad, the gradient norm, where a loss first went non-finite) is
-computed on the device first and read back in one copy: the only host
-synchronization of a step, whatever the number of micro-batches.
+or a gradient went bad, the gradient norm) is computed on the device first and read
+back in one copy: the only host synchronization of a step, whatever the number of
+micro-batches. Only a step that goes wrong reads once more, to say where.
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def finish(
         # the offending gradient in .grad for inspection.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    values = [*normalizer.device_values(), found, normalizer.first_nonfinite()]
+    values = [*normalizer.device_values(), found]
     if norm is not None:
         values.append(norm.detach())
     read = _read(values, device)
     loss = normalizer.check(read[0], read[1], read[2])
-    grad_norm = read[5] if norm is not None else None
-    skipped = _should_skip(loss, read[3] != 0, read[4], normalizer, options)
+    grad_norm = read[4] if norm is not None else None
+    skipped = _should_skip(loss, read[3] != 0, normalizer, options, device)
     if skipped:
         if scaler is not None:
             scaler.update()  # backs off when the gradients overflowed
@@ -114,8 +114,8 @@ def _read(values: list, device: torch.device) -> list[float]:
     return read
 
 
-def _should_skip(loss: float, grads_bad: bool, nonfinite_mark: float, normalizer: Normalizer,
-                 options: StepOptions) -> bool:
+def _should_skip(loss: float, grads_bad: bool, normalizer: Normalizer, options: StepOptions,
+                 device: torch.device) -> bool:
     """Whether to skip the optimizer step; raises or warns as ``on_nonfinite`` says.
 
     Non-finite gradients with a finite loss under a GradScaler are scaler overflow: a
@@ -126,7 +126,9 @@ def _should_skip(loss: float, grads_bad: bool, nonfinite_mark: float, normalizer
     if options.scaler is not None and math.isfinite(loss):
         return True
     if not math.isfinite(loss):
-        msg = f"non-finite loss {normalizer.nonfinite_at(nonfinite_mark)} (loss={loss})"
+        # Which micro-batch: a second read, only on this failure path (not every step).
+        mark = _read([normalizer.first_nonfinite()], device)[0]
+        msg = f"non-finite loss {normalizer.nonfinite_at(mark)} (loss={loss})"
     else:
         msg = f"non-finite gradient (loss={loss})"
     if options.on_nonfinite == "raise":

@@ -24,6 +24,7 @@ probes so both measure the same computation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -84,12 +85,7 @@ def loss_caller(loss_fn: Callable, pair: bool) -> LossCall:
 def _check_two_inputs(loss_fn: _Loss) -> None:
     """Refuse a forward with more than two required positional arguments (var, lengths, a
     second or third input): ``loss(model(inputs), targets)`` cannot supply them."""
-    try:
-        params = list(inspect.signature(loss_fn.forward).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: let the call say
-        return
-    required = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                and p.default is p.empty]
+    required = _required_arguments(type(loss_fn))
     if len(required) <= 2:
         return
     name = type(loss_fn).__name__
@@ -100,6 +96,18 @@ def _check_two_inputs(loss_fn: _Loss) -> None:
         f"b (a tuple of tensors split by row), e.g. {_EXAMPLES.get(name, _EXAMPLES[None])}. It averages over "
         "rows (the default normalize='samples'); with reduction='sum' pass normalize='sum'"
     )
+
+
+@functools.cache
+def _required_arguments(cls: type) -> tuple[str, ...]:
+    """The required positional arguments of ``cls.forward`` (read once per class: a step asks
+    every time, and reading a signature costs more than the rest of the check)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                 and p.default is p.empty)
 
 
 _EXAMPLES = {
@@ -186,7 +194,8 @@ class _ClassTargetCount:
     ``weight``): the denominator of a class-index CrossEntropyLoss/NLLLoss/LinearCrossEntropyLoss
     mean, on the device; with label smoothing torch divides the smoothing term by the same sum.
     ``ignore_index=None`` (LinearCrossEntropyLoss's default) means torch's -100. Probability
-    targets (floating point) average over rows."""
+    targets (floating point) average over rows. On the CPU the count is read at once: there
+    is no device queue to wait for, and a host number spares the step's bookkeeping."""
 
     def __init__(self, loss_fn: _Loss) -> None:
         self.loss_fn = loss_fn
@@ -199,9 +208,10 @@ class _ClassTargetCount:
         keep = target != (-100 if ignore is None else ignore)
         weight = self.loss_fn.weight
         if weight is None:
-            return keep.sum()
-        picked = weight.to(torch.float64)[target.masked_fill(~keep, 0)]
-        return (picked * keep).sum()
+            count = keep.sum()
+        else:
+            count = (weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep).sum()
+        return count.item() if count.device.type == "cpu" else count
 
 
 def check_loss(loss: Any, device: torch.device) -> None:

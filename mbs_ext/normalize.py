@@ -167,23 +167,28 @@ class Normalizer:
         if not self._device_index:
             return host
         counts = torch.stack([self.counts[i] for i in self._device_index])
-        self.bad = _first_position(~torch.isfinite(counts) | (counts < 0))
-        return counts.sum() + host
+        self.bad = _first_position(~((counts >= 0) & (counts < math.inf)))  # negative, NaN or inf
+        return counts.sum() + host if host else counts.sum()
 
     def _local_loss_sum(self) -> torch.Tensor:
         """``sum_i c_i * loss_i`` in float64 (a zero count adds nothing, even a NaN mean); a few
         vectorized operations, no host-to-device copy."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        parts = []
         on_device = [(loss, c) for _, loss, c in self.losses if isinstance(c, torch.Tensor)]
-        on_host = [(loss, c) for _, loss, c in self.losses if not isinstance(c, torch.Tensor) and c != 0]
+        on_host = [(loss, float(c)) for _, loss, c in self.losses if not isinstance(c, torch.Tensor) and c != 0]
         if on_device:
             losses = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
             counts = torch.stack([c for _, c in on_device])
-            total = total + torch.where(counts > 0, losses * counts, torch.zeros_like(counts)).sum()
+            parts.append(torch.where(counts > 0, losses * counts, torch.zeros_like(counts)).sum())
         if on_host:
-            losses = torch.stack([loss for loss, _ in on_host]).to(torch.float64).unbind()
-            total = total + torch.stack(torch._foreach_mul(losses, [float(c) for _, c in on_host])).sum()
-        return total
+            losses = torch.stack([loss for loss, _ in on_host]).to(torch.float64)
+            if self.device.type == "cpu":  # a host tensor of weights is no copy here
+                parts.append(losses @ torch.tensor([c for _, c in on_host], dtype=torch.float64))
+            else:
+                parts.append(torch.stack(torch._foreach_mul(losses.unbind(), [c for _, c in on_host])).sum())
+        if not parts:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
     def first_nonfinite(self) -> torch.Tensor | float:
         """Where the first non-finite micro-batch loss is, as a device mark for :meth:`nonfinite_at`."""
@@ -228,6 +233,5 @@ class Normalizer:
 
 def _first_position(flags: torch.Tensor) -> torch.Tensor:
     """1 + the position of the first true flag of a 1-d tensor (0: none), on its device."""
-    positions = torch.arange(1, flags.numel() + 1, dtype=torch.float64, device=flags.device)
-    first = torch.where(flags, positions, torch.full_like(positions, math.inf)).min()
-    return torch.where(torch.isinf(first), torch.zeros_like(first), first)
+    as_float = flags.to(torch.float64)
+    return (as_float.argmax() + 1) * as_float.amax()  # argmax: the first of equal maxima

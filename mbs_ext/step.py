@@ -131,6 +131,7 @@ class MicroBatchStreamer:
         self.options = make_options(options, overrides)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.cache = _Cache(ring=ring)
+        self._loss_calls: dict[bool, Callable[[nn.Module, Any], torch.Tensor]] = {}
 
     @property
     def ring(self) -> StreamRing | None:
@@ -195,7 +196,9 @@ class MicroBatchStreamer:
         _model.check_scaler_params(self.options.scaler, params, device)
         ranks = Ranks.of(self.model)
         rule = _loss.rule_for(self.loss_fn, self.options.normalize)
-        loss_call = _loss.loss_caller(self.loss_fn, info.pair)
+        loss_call = self._loss_calls.get(info.pair)
+        if loss_call is None:  # made once per batch kind: its checks need not run every step
+            loss_call = self._loss_calls[info.pair] = _loss.loss_caller(self.loss_fn, info.pair)
         return _Call(params, batch, info, device, ranks, rule, loss_call)
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
