@@ -148,7 +148,7 @@ class TestFinishDecision:
         norm = _normalizer(normalize.Rule("samples"), [2, 2])
         for r in _ranges([2, 2]):
             norm.add_loss(torch.tensor(loss if r[0] else 1.0), norm.count(None, r))
-        return finish._should_skip(loss, grads_bad, 2.0 if not math.isfinite(loss) else 0.0, norm, opts)
+        return finish._should_skip(loss, grads_bad, norm, opts, torch.device("cpu"))
 
     def test_finite_steps(self):
         assert self._decide(1.0, False) is False
