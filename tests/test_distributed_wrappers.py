@@ -207,6 +207,45 @@ def _plain_model(rank):
             "grads_after": {k: p.grad.clone() for k, p in model.named_parameters()}, "world": t.item()}
 
 
+def weighted_data(n=TOTAL_ROWS):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3.0, n, dtype=torch.float64)
+    return x, y, w  # non-negative float weights, larger on rank 1's rows
+
+
+def weighted_mse(model, b):
+    x, y, w = b
+    return ((model(x) - y).pow(2).mean(1) * w).sum() / w.sum()
+
+
+def _weighted_steps(rank):
+    torch.manual_seed(0)
+    model = DDP(MLP().double())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    local = rows_of(weighted_data(), rank)
+    losses = [mbs_ext.step(model, opt, local, weighted_mse, micro_batch_size=M, normalize=lambda b: b[2].sum()).loss
+              for _ in range(STEPS)]
+    return {"losses": losses, "params": [p.detach().clone() for p in model.module.parameters()],
+            "weight": float(local[2].sum())}
+
+
+def test_weighted_float_counts_are_global_under_ddp(tmp_path):
+    """A weighted mean (float counts, unequal total weight per rank) equals the single-process
+    full-batch weighted mean over both ranks' rows."""
+    results = run_world(_weighted_steps, timeout=120, out_dir=tmp_path)
+    torch.manual_seed(0)
+    ref = MLP().double()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = [full_batch_step(ref, ropt, weighted_data(), weighted_mse)[0] for _ in range(STEPS)]
+    assert results[0]["weight"] != results[1]["weight"]
+    for res in results:
+        assert res["losses"] == pytest.approx(ref_losses, rel=TOL)
+        for p, q in zip(res["params"], ref.parameters()):
+            assert rel_err(p, q) <= TOL
+
+
 def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
     for rank, res in enumerate(run_world(_plain_model, timeout=60, out_dir=tmp_path)):
         assert res["world"] == WORLD
