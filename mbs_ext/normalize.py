@@ -98,9 +98,8 @@ class Normalizer:
         self.total: Count | None = None  # the global D, once settled
         # 1 + the first micro-batch whose device count is invalid (0: none; -1: only another rank's).
         self.bad: torch.Tensor | float = 0.0
-        self.denom: Count | None = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}.get(
-            rule.kind
-        )
+        fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
+        self.denom: Count | None = fixed.get(rule.kind)
 
     def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
@@ -186,9 +185,7 @@ class Normalizer:
                 parts.append(losses @ torch.tensor([c for _, c in on_host], dtype=torch.float64))
             else:
                 parts.append(torch.stack(torch._foreach_mul(losses.unbind(), [c for _, c in on_host])).sum())
-        if not parts:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        return sum(parts[1:], parts[0]) if parts else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def first_nonfinite(self) -> torch.Tensor | float:
         """Where the first non-finite micro-batch loss is, as a device mark for :meth:`nonfinite_at`."""

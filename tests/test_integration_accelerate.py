@@ -36,7 +36,7 @@ from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import mbs_ext  # noqa: E402
 
@@ -122,11 +122,18 @@ def assert_close(params, ref, tol=1e-10):
         assert err <= tol, err
 
 
+def _reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; the gradient state (whether the optimizer steps,
+    the accumulation count) outlives AcceleratorState's reset, so reset both."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture
 def fresh_state():
-    AcceleratorState._reset_state(True)
+    _reset_accelerate()
     yield
-    AcceleratorState._reset_state(True)
+    _reset_accelerate()
 
 
 def host_loader(accelerator: Accelerator, batch: dict):
@@ -140,7 +147,7 @@ def test_accelerate_loop_equals_full_batch(fresh_state, steps):
     loader = host_loader(acc, data())
     assert all(v.device.type == "cpu" for v in next(iter(loader)).values())
     ref, ref_losses, ref_seen, _ = train(acc, [data()] * steps, steps, streamed=False)
-    AcceleratorState._reset_state(True)
+    _reset_accelerate()
     acc = Accelerator(cpu=True)
     loader = host_loader(acc, data())
     epochs = (b for _ in range(steps) for b in loader)
@@ -157,7 +164,7 @@ def test_prepared_optimizer_owns_the_grad_scaler(fresh_state):
     a CPU GradScaler stands in, given to the Accelerator before ``prepare``.)"""
     results = []
     for streamed in (False, True):
-        AcceleratorState._reset_state(True)
+        _reset_accelerate()
         acc = Accelerator(cpu=True)
         acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
         params, losses, _, optimizer = train(acc, [data()] * 3, 3, streamed=streamed, clip=False)
@@ -175,7 +182,7 @@ def test_step_with_a_prepared_optimizer_without_scaler(fresh_state):
     ``mbs_ext.step(model, optimizer, ...)`` works too (with ``max_grad_norm`` for clipping)."""
     acc = Accelerator(cpu=True)
     ref, ref_losses, _, _ = train(acc, [data()] * 2, 2, streamed=False)
-    AcceleratorState._reset_state(True)
+    _reset_accelerate()
     acc = Accelerator(cpu=True)
     model, optimizer, scheduler = make(acc, 2)
     assert acc.scaler is None and type(optimizer).__name__ == "AcceleratedOptimizer"
@@ -272,7 +279,7 @@ def test_two_gloo_ranks_equal_one_process(fresh_state, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     # The reference: one process, no DDP, the 17 rows as one batch.
-    AcceleratorState._reset_state(True)
+    _reset_accelerate()
     acc = Accelerator(cpu=True)
     ref, ref_losses, _, _ = train(acc, [data(sum(RANK_ROWS))] * DDP_STEPS, DDP_STEPS, streamed=False)
     for r in ranks:
