@@ -113,12 +113,13 @@ def _refuse(name: str) -> None:
 
 
 def _streaming_instance(strategy: Strategy) -> Strategy:
-    """``strategy`` itself, turned into its streaming subclass (same object, same state)."""
+    """A streaming strategy with ``strategy``'s state (its constructor's arguments included)."""
     if isinstance(strategy, _StreamingMixin):
         return strategy
     cls = type(strategy)
     if isinstance(strategy, DDPStrategy):
-        new = StreamingDDPStrategy if cls is DDPStrategy else type(f"Streaming{cls.__name__}", (_StreamingMixin, cls), {})
+        new = StreamingDDPStrategy if cls is DDPStrategy else type(f"Streaming{cls.__name__}",
+                                                                   (_StreamingMixin, cls), {})
     elif isinstance(strategy, SingleDeviceStrategy):
         if cls is SingleDeviceStrategy:
             new = StreamingSingleDeviceStrategy
@@ -127,8 +128,11 @@ def _streaming_instance(strategy: Strategy) -> Strategy:
     else:
         _refuse(getattr(strategy, "strategy_name", cls.__name__).lower())
         raise ValueError(f"StreamingStrategy wraps SingleDeviceStrategy or DDPStrategy, got {cls.__name__}")
-    strategy.__class__ = new
-    return strategy
+    streaming = new.__new__(new)  # the same state under the streaming class
+    streaming.__dict__.update(strategy.__dict__)
+    if isinstance(streaming, StreamingSingleDeviceStrategy):
+        streaming._mbs_device_given = True  # the instance was made with its device
+    return streaming
 
 
 class _StreamingMixin:
@@ -321,7 +325,7 @@ class _Step:
 
     def replay_logs(self) -> None:
         """Log each name once, its micro-batch values combined (a Metric object: its last call as is)."""
-        for name, calls in self.logs.items():
+        for calls in self.logs.values():
             last = dict(calls[-1][1])
             values = [a["value"] for _, a in calls]
             if all(isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool) for v in values):
