@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mbs_ext
 
@@ -212,3 +213,18 @@ class PoisonGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g * ctx.value, None
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: every ``.item()``/``float(t)``/``bool(t)`` (a host sync
+    on a GPU); and ``Tensor.tolist`` calls, which read a whole tensor at once without that op
+    on the CPU (the finish reads everything it needs with one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ddp_harness import WORLD, WorldFailed, run_world
-from helpers import TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
+from helpers import ScalarReads, TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mbs_ext
 
@@ -259,21 +258,6 @@ def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
 
 
 # --- host syncs and collectives per step under DDP -----------------------------------------
-
-
-class ScalarReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: every ``.item()``/``float(t)``/``bool(t)`` (a host sync
-    on a GPU); and ``Tensor.tolist`` calls, which read a whole tensor at once without that op
-    on the CPU (the finish reads everything it needs with one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 SYNC_ROWS = (16, 12)

@@ -10,21 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyLM, lm_loss, token_count
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import ScalarReads, TinyLM, lm_loss, token_count
 
 import mbs_ext
-
-
-class ScalarReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def lm_batch(n: int, t: int = 7, vocab: int = 11) -> dict:
