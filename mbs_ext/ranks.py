@@ -56,12 +56,16 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The innermost module under DDP/compile wrappers (for probes that must not run collectives)."""
+    """The module under DDP, ``torch.compile`` and Fabric wrappers (for probes that must not run
+    collectives). Only those: a user's own module may well have a submodule called ``module``."""
     seen: set[int] = set()
     m = model
     while id(m) not in seen:
         seen.add(id(m))
-        inner = _inner(m)
+        if isinstance(m, DistributedDataParallel):
+            m = m.module
+            continue
+        inner = [i for i in _inner(m) if i is not getattr(m, "module", None)]
         if not inner:
             return m
         m = inner[0]

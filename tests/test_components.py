@@ -218,6 +218,20 @@ class TestRanks:
         r = ranks.Ranks.of(nn.Linear(2, 2))
         assert (r.ddp, r.group, r.world) == (None, None, 1)
 
+    def test_unwrap_sees_through_wrappers_only(self):
+        class Net(nn.Module):  # a user's model with a submodule called "module"
+            def __init__(self):
+                super().__init__()
+                self.module, self.head = nn.Linear(2, 2), nn.Linear(2, 1)
+
+            def forward(self, x):
+                return self.head(self.module(x))
+
+        net = Net()
+        assert ranks.unwrap(net) is net
+        assert ranks.unwrap(torch.compile(net)) is net
+        assert ranks.find_ddp(torch.compile(net)) is None
+
     def test_all_reduce_sum_keeps_order_of_host_and_device_values(self):
         r = ranks.Ranks(None, None, 1)
         out = r.all_reduce_sum([1.0, torch.tensor(2.0), 3.0], torch.device("cpu"), host_tail=[4.0, 5.0])
