@@ -72,6 +72,22 @@ def unwrap(model: nn.Module) -> nn.Module:
     return m
 
 
+def _refuse_fully_sharded(model: nn.Module) -> None:
+    """FSDP2 (``fully_shard``) is not streamed yet: every forward of a sharded module gathers its
+    parameters with a collective, so ranks with different numbers of micro-batches would hang,
+    and its reduce-scatter averages per micro-batch. Refused rather than silently wrong."""
+    fsdp_module = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    if fsdp_module is None:
+        return
+    for name, m in unwrap(model).named_modules():
+        if isinstance(m, fsdp_module):
+            raise ValueError(
+                f"model is sharded by FSDP2 (fully_shard on {name or 'the model'}), which mbs_ext does not "
+                "stream yet: its per-forward all-gathers would hang ranks with different numbers of "
+                "micro-batches. Use DistributedDataParallel, or a plain gradient accumulation loop under FSDP2"
+            )
+
+
 @dataclass(frozen=True)
 class Ranks:
     """The DDP module and process group of a step (``ddp is None``: one process)."""
@@ -82,6 +98,7 @@ class Ranks:
 
     @staticmethod
     def of(model: nn.Module) -> Ranks:
+        _refuse_fully_sharded(model)
         ddp = find_ddp(model)
         if ddp is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -245,6 +245,29 @@ def test_weighted_float_counts_are_global_under_ddp(tmp_path):
             assert rel_err(p, q) <= TOL
 
 
+def _fully_sharded(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        mbs_ext.step(model, opt, rows_of(mlp_data(), rank), mse, micro_batch_size=M)
+    except ValueError as exc:
+        return {"error": str(exc), "grads": [p.grad for p in model.parameters()]}
+    return {"error": None}
+
+
+def test_fully_sharded_model_is_refused_on_every_rank(tmp_path):
+    """FSDP2 is not streamed yet: refused before any collective (a step would hang in the
+    all-gather of the micro-batch only one rank runs)."""
+    for res in run_world(_fully_sharded, timeout=60, out_dir=tmp_path):
+        assert res["error"] and "FSDP2" in res["error"] and "DistributedDataParallel" in res["error"], res
+        assert all(g is None for g in res["grads"])
+
+
 def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
     for rank, res in enumerate(run_world(_plain_model, timeout=60, out_dir=tmp_path)):
         assert res["world"] == WORLD
