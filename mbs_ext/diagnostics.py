@@ -17,7 +17,15 @@ from typing import Any
 from mbs_ext._native import _C as native
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
 from mbs_ext.planner import cuda_room
-from mbs_ext.probe import PeakTracker, RssPeak, is_out_of_memory, measure_peak, measure_saved_bytes
+from mbs_ext.probe import (
+    PeakTracker,
+    RssPeak,
+    is_out_of_memory,
+    malloc_trim,
+    measure_peak,
+    measure_saved_bytes,
+    proc_status,
+)
 from mbs_ext.ring import default_staging_threads
 
 __all__ = [
@@ -36,29 +44,6 @@ __all__ = [
     "pyplot",
     "scale_accumulate_unchecked",
 ]
-
-
-def proc_status() -> dict[str, int]:
-    """``Vm*`` fields of /proc/self/status, in bytes."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Vm"):
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    out[key] = int(parts[0]) * 1024
-    return out
-
-
-def malloc_trim() -> None:
-    """Hand freed heap memory back to the OS (glibc), so RSS tracks live memory."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def child_env(threads: int) -> dict[str, str]:

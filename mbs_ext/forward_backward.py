@@ -71,7 +71,8 @@ class ForwardBackward:
         # that all-reduces): settle the total now and rescale what came before.
         settle_now = last and not sink.buffered
         syncing = settle_now and self.ranks.ddp is not None
-        if not isinstance(c, torch.Tensor) and c == 0 and not syncing:
+        no_items = not isinstance(c, torch.Tensor) and c == 0
+        if no_items and not syncing:
             if settle_now:
                 self._settle()
             return  # zero items: nothing to learn, skip the forward
@@ -87,7 +88,7 @@ class ForwardBackward:
                 weight = norm.final_weight(c)
             else:
                 weight = norm.weight(c)
-            if not isinstance(c, torch.Tensor) and c == 0:
+            if no_items:
                 # Zero items on the syncing backward: DDP still needs it; zero gradients reach
                 # every parameter.
                 torch.autograd.backward([p.reshape(-1)[:1].sum() * 0.0 for p in sink.params])

@@ -152,16 +152,21 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
-def _status(field: str) -> int:
-    """One ``Vm*`` field of /proc/self/status, in bytes."""
+def proc_status() -> dict[str, int]:
+    """``Vm*`` fields of /proc/self/status, in bytes (Linux)."""
+    out: dict[str, int] = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
+            if line.startswith("Vm"):
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * 1024
+    return out
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so the resident set tracks live memory."""
     try:
         _libc().malloc_trim(0)
     except (OSError, AttributeError):
@@ -232,11 +237,11 @@ class RssPeak:
         """Whether /proc/self reports VmHWM and lets this process reset it."""
         if not _RSS_OK:
             try:
-                _status("VmHWM")
+                proc_status()["VmHWM"]
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
                 _RSS_OK.append(True)
-            except (OSError, ValueError):
+            except (OSError, ValueError, KeyError):
                 _RSS_OK.append(False)
         return _RSS_OK[0]
 
@@ -248,14 +253,14 @@ class RssPeak:
         self._gc = gc.isenabled()
         gc.disable()
         self._mallopt = _mmap_freed_blocks()
-        _malloc_trim()
-        self.base = _status("VmRSS")
+        malloc_trim()
+        self.base = proc_status()["VmRSS"]
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.peak = max(0, _status("VmHWM") - self.base)
+        self.peak = max(0, proc_status()["VmHWM"] - self.base)
         for param in self._mallopt:
             _mallopt(param, _GLIBC_DEFAULT)
         if self._gc:
@@ -323,17 +328,17 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def fits(model: nn.Module, params: list[nn.Parameter], batch: Any, indices: torch.Tensor | None, size: int,
-         device: torch.device, loss_call: Callable, autocast_dtype: torch.dtype | None) -> bool:
+def fits(model: nn.Module, batch: Any, indices: torch.Tensor | None, size: int, device: torch.device,
+         loss_call: Callable, autocast_dtype: torch.dtype | None) -> bool:
     """Whether one micro-batch of ``size`` rows runs forward and backward; leaves no trace."""
-    snap = Snapshot(model, device)
     layers = deferred_layers(model)
     for layer in layers:
         layer.begin_mini_batch()
     try:
-        with _loss.autocast(device, autocast_dtype):
-            loss = loss_call(model, probe_batch(batch, size, indices, device))
-        loss.float().backward()
+        with probing(model, device):
+            with _loss.autocast(device, autocast_dtype):
+                loss = loss_call(model, probe_batch(batch, size, indices, device))
+            loss.float().backward()
         return True
     except BaseException as exc:
         if not is_out_of_memory(exc):
@@ -342,7 +347,4 @@ def fits(model: nn.Module, params: list[nn.Parameter], batch: Any, indices: torc
     finally:
         for layer in layers:
             layer.discard()
-        for p in params:
-            p.grad = None
-        snap.restore()
         release_cached_memory(device)

@@ -179,7 +179,7 @@ class MicroBatchStreamer:
                 lambda m: self._attempt(call, m, progress, stepping),
                 size,
                 retryable=lambda exc: progress.retryable,
-                fits_at=lambda m: probe.fits(self.model, call.params, call.batch, call.info.indices, m, call.device,
+                fits_at=lambda m: probe.fits(self.model, call.batch, call.info.indices, m, call.device,
                                              call.loss_call, self.options.autocast_dtype),
                 free=lambda: probe.release_cached_memory(call.device),
                 remember=remember,
