@@ -20,6 +20,7 @@ mean, which StreamingTrainer reproduces.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -239,3 +240,57 @@ def test_import_mbs_ext_does_not_import_transformers():
     code = "import sys, mbs_ext, mbs_ext.integrations; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
+
+
+# ---- two gloo ranks ----
+
+RANK_ROWS = (10, 7)  # rows per rank: 3 and 2 micro-batches at M=4
+DDP_STEPS = 3
+
+
+def _rank_trainer(rank: int, out_dir: str) -> dict:
+    """One rank of ``torchrun``: a StreamingTrainer on the rank's own rows (10 or 7 of 17). The
+    harness has set up the gloo group; Accelerate finds it through the launcher's variables."""
+    from ddp_harness import HOST
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(RANK_ROWS)),
+                      LOCAL_WORLD_SIZE=str(len(RANK_ROWS)), MASTER_ADDR=HOST, MASTER_PORT="0")
+    rows = Rows(sum(RANK_ROWS))
+    # Per-device batch 10 and no even_batches: rank 0 gets 10 of each epoch's 17 rows, rank 1
+    # the other 7 (a fresh seeded shuffle each epoch; one epoch per step).
+    args = training_args(out_dir, DDP_STEPS, per_device_train_batch_size=RANK_ROWS[0],
+                         accelerator_config={"even_batches": False}, ddp_backend="gloo")
+    model = make_model()
+    seen = largest_batch_seen(model)
+    trainer = StreamingTrainer(model=model, args=args, train_dataset=rows, micro_batch_size=M)
+    assert trainer.args.world_size == 2 and trainer.args.process_index == rank
+    trainer.train()
+    res = trainer.last_stream_result
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "logged": logged_losses(trainer),
+        "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
+        "seen": seen[0], "rows": res.num_samples, "micro_batches": res.num_micro_batches,
+        "ddp": type(trainer.model_wrapped).__name__,
+    }
+
+
+def test_two_gloo_ranks_equal_the_full_batch_trainer(tmp_path):
+    """Two ranks with 10 and 7 rows (token counts normalized over both) for 3 AdamW steps equal
+    the plain Trainer's full-batch steps on all 17 rows in one process, to 1e-10."""
+    from ddp_harness import run_world
+
+    ranks = run_world(_rank_trainer, str(tmp_path / "ranks"), timeout=240, out_dir=tmp_path / "world")
+    ref_args = training_args(tmp_path / "ref", DDP_STEPS, per_device_train_batch_size=sum(RANK_ROWS))
+    ref = Trainer(model=make_model(), args=ref_args, train_dataset=Rows(sum(RANK_ROWS)))
+    ref.train()
+    assert [r["rows"] for r in ranks] == list(RANK_ROWS)
+    assert [r["micro_batches"] for r in ranks] == [math.ceil(n / M) for n in RANK_ROWS]
+    for r in ranks:
+        assert r["ddp"] == "DistributedDataParallel" and r["seen"] <= M
+        for p, q in zip(r["params"], ref.model.parameters()):
+            err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-30)
+            assert err <= 1e-10, err
+        assert r["logged"] == pytest.approx(logged_losses(ref), rel=1e-6)  # float32 logging, as above
+        ref_norms = [e["grad_norm"] for e in ref.state.log_history if "grad_norm" in e]
+        assert r["grad_norms"] == pytest.approx(ref_norms, rel=1e-9)
