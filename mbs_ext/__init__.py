@@ -15,6 +15,7 @@ from mbs_ext.batchnorm import convert_batchnorm
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.options import StepOptions
 from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
+from mbs_ext.ranks import PeerFailed
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
 
@@ -33,6 +34,7 @@ def build_info() -> dict:
 __all__ = [
     "MicroBatchPlan",
     "MicroBatchStreamer",
+    "PeerFailed",
     "StepOptions",
     "StepResult",
     "StreamRing",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mbs_ext.gather import Agreement
 from mbs_ext.grads import AutogradSink, BufferSink
 from mbs_ext.normalize import Normalizer
 from mbs_ext.options import StepOptions
@@ -59,6 +60,7 @@ def finish(
     optimizer: torch.optim.Optimizer,
     guard: StepGuard,
     device: torch.device,
+    agreement: Agreement,
 ) -> Finished:
     """Read, decide, and step (or roll back a skipped step)."""
     scaler = options.scaler
@@ -73,12 +75,13 @@ def finish(
         # the offending gradient in .grad for inspection.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    values = [*normalizer.device_values(), found]
+    values = [*normalizer.device_values(), found, agreement.failed()]
     if norm is not None:
         values.append(norm.detach())
     read = _read(values, device)
+    agreement.raise_if_failed(read[4])
     loss = normalizer.check(read[0], read[1], read[2])
-    grad_norm = read[4] if norm is not None else None
+    grad_norm = read[5] if norm is not None else None
     skipped = _should_skip(loss, read[3] != 0, normalizer, options, device)
     if skipped:
         if scaler is not None:
@@ -93,11 +96,13 @@ def finish(
     return Finished(loss, skipped, grad_norm)
 
 
-def finish_gradients(normalizer: Normalizer, guard: StepGuard, device: torch.device) -> Finished:
+def finish_gradients(normalizer: Normalizer, guard: StepGuard, device: torch.device,
+                     agreement: Agreement) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
     ``.grad`` for the caller's own optimizer step."""
-    read = _read(normalizer.device_values(), device)
+    read = _read([*normalizer.device_values(), agreement.failed()], device)
+    agreement.raise_if_failed(read[3])
     loss = normalizer.check(read[0], read[1], read[2])
     guard.commit_statistics()
     return Finished(loss, False, None)

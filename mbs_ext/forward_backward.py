@@ -62,21 +62,18 @@ class ForwardBackward:
             close = getattr(micro_batches, "close", None)
             if close is not None and self.index < self.num_mb:
                 close()
-        self.sink.finish(self.normalizer)
 
     def _micro_batch(self, mb: Any, last: bool) -> None:
         norm, sink = self.normalizer, self.sink
         c = norm.count(mb, self.rows)
-        # Unbuffered, the last backward needs its exact weight (under DDP it is the one
-        # that all-reduces): settle the total now and rescale what came before.
+        # Unbuffered (one process), the last backward takes its exact weight: settle the
+        # total now and rescale what came before. Buffered sinks settle after the pass.
         settle_now = last and not sink.buffered
-        syncing = settle_now and self.ranks.ddp is not None
-        no_items = not isinstance(c, torch.Tensor) and c == 0
-        if no_items and not syncing:
+        if not isinstance(c, torch.Tensor) and c == 0:
             if settle_now:
                 self._settle()
             return  # zero items: nothing to learn, skip the forward
-        with self.ranks.no_sync(syncing):
+        with self.ranks.no_sync():
             with _loss.autocast(self.device, self.options.autocast_dtype):
                 loss = self.loss_call(self.model, mb)
             _loss.check_loss(loss, self.device)
@@ -88,17 +85,12 @@ class ForwardBackward:
                 weight = norm.final_weight(c)
             else:
                 weight = norm.weight(c)
-            if no_items:
-                # Zero items on the syncing backward: DDP still needs it; zero gradients reach
-                # every parameter.
-                torch.autograd.backward([p.reshape(-1)[:1].sum() * 0.0 for p in sink.params])
-                return
             sink.backward(loss, weight, self.options.scaler)
 
     def _settle(self) -> None:
         self.normalizer.settle()
         if self.index > 0:
-            self.sink.rescale(self.normalizer.rescale_factor(per_rank=True))
+            self.sink.rescale(self.normalizer.rescale_factor())
 
 
 _END = object()

@@ -111,8 +111,7 @@ class GradBuffers:
         """
         self.mul_(factor)
         if group is not None:
-            for flat in self.flats:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            self.all_reduce(group)
         for j, p in enumerate(self.params):
             if got_any[j]:
                 # A gradient of its own (never a view that would keep the whole buffer
@@ -123,6 +122,11 @@ class GradBuffers:
             else:
                 p.grad = None
         self.release()
+
+    def all_reduce(self, group: Any) -> None:
+        """Sum the buffers over the ranks of ``group``: one all-reduce per device."""
+        for flat in self.flats:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
 
     def release(self) -> None:
         """Drop the buffers (after :meth:`finish`, or when a step fails)."""
@@ -196,9 +200,6 @@ class AutogradSink:
     def rescale(self, factor: float | torch.Tensor) -> None:
         rescale_grads(self.params, factor)
 
-    def finish(self, normalizer: Any) -> None:
-        """Nothing left: the total was settled before the last backward (see the pass)."""
-
     def nonfinite(self, clipping: bool) -> torch.Tensor:
         if clipping:  # the norm computed for clipping covers it
             return torch.zeros((), dtype=torch.float32, device=self.device)
@@ -226,20 +227,21 @@ class BufferSink:
     def rescale(self, factor: float | torch.Tensor) -> None:
         self.bufs.mul_(factor)
 
-    def finish(self, normalizer: Any) -> None:
-        """Global totals (with this rank's non-finite flag and which parameters got a gradient
-        riding along in the same collective), then the sums rescaled, reduced and cast into ``.grad``."""
-        got_any = self.bufs.got
-        reduced = normalizer.settle(extra=[self.bufs.nonfinite(self.device)], host_tail=[float(g) for g in got_any])
-        if reduced is not None:
-            # The summed buffers carry every rank's inf/NaN, so every rank must skip alike.
-            self.found = (reduced[0] > 0).to(torch.float32)
-            if not all(got_any):
-                # Which .grad exist must be known on the host (a host sync, only when this
-                # rank's micro-batches left some parameter without a gradient).
-                got_any = [v > 0 for v in reduced[1:].tolist()]
-        # Summed over ranks, not averaged: no world-size factor.
-        self.bufs.finish(normalizer.rescale_factor(per_rank=False), got_any, normalizer.ranks.group)
+    def local_nonfinite(self) -> torch.Tensor:
+        """This rank's non-finite flag, before the buffers are summed over ranks."""
+        return self.bufs.nonfinite(self.device)
+
+    def presence(self) -> list[bool]:
+        """Which parameters got a gradient from this rank's micro-batches."""
+        return list(self.bufs.got)
+
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None,
+               found: torch.Tensor | None = None) -> None:
+        """Rescale the sums, add them up over the DDP ``group``, cast them into ``.grad``;
+        ``found`` is the non-finite flag over all ranks (the summed buffers carry every
+        rank's inf/NaN, so every rank must skip alike)."""
+        self.found = found
+        self.bufs.finish(factor, got_any, group)
 
     def nonfinite(self, clipping: bool) -> torch.Tensor:
         found = self.found if self.found is not None else self.bufs.nonfinite(self.device)
@@ -249,7 +251,23 @@ class BufferSink:
         self.bufs.release()
 
 
-def make_sink(params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None):
-    """The sink for ``params``: float buffers when :func:`accumulation_dtype` asks for them."""
+def sink_dtype(requested: torch.dtype | None, params: list[nn.Parameter], distributed: bool) -> torch.dtype | None:
+    """dtype of the step's accumulation buffers (None: autograd accumulates in ``.grad``).
+
+    Across ranks always buffers: every micro-batch runs under DDP's ``no_sync`` and the
+    step sums one flat buffer per device itself, after the step's collective has said
+    whether every rank got through its micro-batches. A rank that failed can take part in
+    that sum with buffers of the same size, which it could not do in DDP's bucketed
+    backward without a forward of its own, so no rank is left waiting.
+    """
     dtype = accumulation_dtype(requested, params)
+    if dtype is None and distributed:
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    return dtype
+
+
+def make_sink(params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None,
+              distributed: bool = False):
+    """The sink for ``params``: float buffers when :func:`sink_dtype` asks for them."""
+    dtype = sink_dtype(requested, params, distributed)
     return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype)

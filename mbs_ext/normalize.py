@@ -135,8 +135,8 @@ class Normalizer:
         return c / self.denom
 
     def final_weight(self, c: Count) -> Count:
-        """The exact weight of a micro-batch after :meth:`settle`, times the DDP world (DDP averages)."""
-        return c * self.ranks.world / self.total
+        """The exact weight of a micro-batch after :meth:`settle`."""
+        return c / self.total
 
     def settle(self, extra: list[Count] = (), host_tail: list[float] | None = None) -> torch.Tensor | None:
         """Local totals and checks, then the global ones over the ranks in one collective (with
@@ -197,12 +197,11 @@ class Normalizer:
         """Where a non-finite loss was, from the mark read on the host."""
         return f"at {self.describe(self.losses[int(mark) - 1][0])}" if mark > 0 else "on another DDP rank"
 
-    def rescale_factor(self, per_rank: bool) -> Count:
-        """What to multiply provisionally weighted sums by: ``D_provisional / D`` (times the world
-        when the sums are per rank and DDP will average them)."""
-        num = self.denom * self.ranks.world if per_rank else self.denom
-        if isinstance(self.total, torch.Tensor) or isinstance(num, torch.Tensor) or self.total != 0:
-            return num / self.total
+    def rescale_factor(self) -> Count:
+        """What to multiply provisionally weighted sums by: ``D_provisional / D`` (the sums of all
+        ranks are added up, not averaged)."""
+        if isinstance(self.total, torch.Tensor) or isinstance(self.denom, torch.Tensor) or self.total != 0:
+            return self.denom / self.total
         return 1.0  # a zero host total: check() fails the step
 
     def device_values(self) -> list[Count]:
@@ -226,6 +225,13 @@ class Normalizer:
         """Micro-batch ``k`` and its rows, for messages."""
         start, stop = self.rows_of[k]
         return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
+
+
+def join(ranks: Ranks, device: torch.device, extra: int, host_tail: list[float]) -> torch.Tensor:
+    """A failed rank's part in :meth:`Normalizer.settle`'s collective: zeros where the totals and
+    the ``extra`` values go, then ``host_tail``; returns the reduced ``host_tail``."""
+    values = ranks.all_reduce_sum([0.0] * (3 + extra), device, host_tail=host_tail)
+    return values[3 + extra:]
 
 
 def _first_position(flags: torch.Tensor) -> torch.Tensor:

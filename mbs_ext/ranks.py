@@ -88,6 +88,19 @@ def _refuse_fully_sharded(model: nn.Module) -> None:
             )
 
 
+class PeerFailed(RuntimeError):
+    """Another rank failed in this step; this rank undid its part too (nothing changed)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where this rank failed before the step's collective: ``micro_batch`` -1 means before the
+    first one (checks, buffers)."""
+
+    micro_batch: int
+    out_of_memory: bool
+
+
 @dataclass(frozen=True)
 class Ranks:
     """The DDP module and process group of a step (``ddp is None``: one process)."""
@@ -95,6 +108,7 @@ class Ranks:
     ddp: DistributedDataParallel | None
     group: Any
     world: int
+    rank: int = 0
 
     @staticmethod
     def of(model: nn.Module) -> Ranks:
@@ -110,13 +124,62 @@ class Ranks:
                     "normalizes over all ranks), or step each rank alone on purpose outside mbs_ext"
                 )
             return Ranks(None, None, 1)
-        return Ranks(ddp, ddp.process_group, dist.get_world_size(ddp.process_group))
+        group = ddp.process_group
+        return Ranks(ddp, group, dist.get_world_size(group), dist.get_rank(group))
 
-    def no_sync(self, syncing: bool) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` unless this backward is the one that all-reduces."""
-        if self.ddp is None or syncing:
-            return contextlib.nullcontext()
-        return self.ddp.no_sync()
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` for every micro-batch: the step sums the gradients itself (see
+        :func:`mbs_ext.grads.sink_dtype`)."""
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Rank 0's module buffers to every rank, once per step before the first micro-batch, as
+        DDP's forward does each iteration (``broadcast_buffers``). DDP's own broadcast is switched
+        off for the step's forwards: it would run in whichever forward comes first, which a rank
+        that fails before it never reaches, leaving the others waiting."""
+        ddp = self.ddp
+        if ddp is None:
+            return
+        ddp.require_forward_param_sync = False  # DDP's own broadcast: off for the step's forwards
+        if not getattr(ddp, "broadcast_buffers", False):
+            return
+        ignore = getattr(ddp, "parameters_to_ignore", set())
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for name, b in ddp.module.named_buffers():
+            if name not in ignore:
+                groups.setdefault((b.device, b.dtype), []).append(b)
+        src = dist.get_global_rank(self.group, 0)
+        for bufs in groups.values():
+            flat = torch._utils._flatten_dense_tensors(bufs)
+            dist.broadcast(flat, src=src, group=self.group)
+            for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
+                b.copy_(v)
+
+    def failure_slots(self, failure: Failure | None) -> list[float]:
+        """This rank's part of the failure record that rides in the step's collective: per rank,
+        1 + the micro-batch it failed at + 1 (0: no failure), then 1.0 per rank for out of memory."""
+        slots = [0.0] * (2 * self.world)
+        if failure is not None:
+            slots[self.rank] = failure.micro_batch + 2.0
+            slots[self.world + self.rank] = float(failure.out_of_memory)
+        return slots
+
+    def raise_failures(self, slots: list[float]) -> None:
+        """Raise :class:`PeerFailed` naming every other rank that failed (``slots`` summed over the
+        ranks and read on the host); nothing when no other rank did."""
+        others = [r for r in range(self.world) if slots[r] > 0 and r != self.rank]
+        if not others:
+            return
+        where = "; ".join(
+            f"rank {r} {'ran out of memory' if slots[self.world + r] > 0 else 'raised'} "
+            + ("before its first micro-batch" if slots[r] < 2 else f"at micro-batch {int(slots[r]) - 2}")
+            for r in others
+        )
+        raise PeerFailed(
+            f"mbs_ext.step: {where}; every rank undid the step (parameters, buffers, optimizer state and "
+            "gradients are as before it), and the failing rank raised its own error"
+        )
 
     def all_reduce_sum(
         self, values: list[float | torch.Tensor], device: torch.device, host_tail: list[float] | None = None

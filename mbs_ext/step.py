@@ -29,17 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import backoff, planner, probe
+from mbs_ext import backoff, gather, planner, probe
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext import model as _model
 from mbs_ext.batchnorm import deferring
 from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
-from mbs_ext.grads import accumulation_dtype, make_sink
+from mbs_ext.grads import make_sink, sink_dtype
 from mbs_ext.normalize import Normalizer, Rule
 from mbs_ext.options import StepOptions, make_options
-from mbs_ext.ranks import Ranks
+from mbs_ext.ranks import Failure, PeerFailed, Ranks
 from mbs_ext.ring import StreamRing, split_sizes
 from mbs_ext.rollback import StepGuard
 
@@ -76,7 +76,7 @@ class _Cache:
                 plan = planner.plan(
                     model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
                     num_rows=call.info.rows, indices=call.info.indices,
-                    accumulate_dtype=accumulation_dtype(opts.accumulate_dtype, call.params),
+                    accumulate_dtype=sink_dtype(opts.accumulate_dtype, call.params, call.ranks.group is not None),
                     autocast_dtype=opts.autocast_dtype,
                 )
                 self.plans[key] = plan
@@ -106,14 +106,12 @@ class MicroBatchStreamer:
     on first use and kept (or pass your own ``ring=``), so repeated steps reuse its
     host/device buffers.
 
-    The batch may live on the host (pageable or pinned) or already on the model's
-    device. Under DistributedDataParallel (also inside ``torch.compile`` or another
-    wrapper exposing ``.module``) the normalization is global (one small all-reduce per
-    step), so the step equals a single-process step on the concatenated batch.
-
-    Limits: a failure inside ``optimizer.step`` itself is not undone (that would need a
-    copy of the parameters and optimizer state every step); under DDP a failure on one
-    rank leaves the others waiting in their collectives.
+    The batch may live on the host (pageable or pinned) or on the model's device. Under
+    DistributedDataParallel (also behind ``torch.compile`` or Fabric) the step equals a
+    single-process step on the ranks' rows together, and an error on one rank makes every
+    rank undo the step and raise (:mod:`~mbs_ext.gather`). A failure inside
+    ``optimizer.step`` itself is not undone (that would need a copy of the parameters and
+    optimizer state every step).
     """
 
     def __init__(
@@ -167,34 +165,39 @@ class MicroBatchStreamer:
 
     def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
         t_begin = time.perf_counter()
-        call = self._check(batch, indices)
-        with deferring(self.model) as call.batchnorms:
-            size, key = self.cache.size_for(self.model, self.options, call)
-            progress = _Progress()
+        _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
+        params, device = _model.check_model_optimizer(self.model, self.optimizer), _model.model_device(self.model)
+        progress = _Progress(ranks := Ranks.of(self.model))
+        try:
+            call = self._check(batch, indices, params, device, ranks)
+            with deferring(self.model) as call.batchnorms:
+                size, key = self.cache.size_for(self.model, self.options, call)
 
-            def remember(smaller: int) -> None:
-                self.cache.size_cap[key] = smaller
+                def remember(smaller: int) -> None:
+                    self.cache.size_cap[key] = smaller
 
-            result = backoff.with_backoff(
-                lambda m: self._attempt(call, m, progress, stepping),
-                size,
-                retryable=lambda exc: progress.retryable,
-                fits_at=lambda m: probe.fits(self.model, call.batch, call.info.indices, m, call.device,
-                                             call.loss_call, self.options.autocast_dtype),
-                free=lambda: probe.release_cached_memory(call.device),
-                remember=remember,
-            )
+                result = backoff.with_backoff(
+                    lambda m: self._attempt(call, m, progress, stepping),
+                    size,
+                    retryable=lambda exc: progress.retryable,
+                    fits_at=lambda m: probe.fits(self.model, call.batch, call.info.indices, m, call.device,
+                                                 call.loss_call, self.options.autocast_dtype),
+                    free=lambda: probe.release_cached_memory(call.device),
+                    remember=remember,
+                )
+        except Exception as exc:
+            if ranks.group is not None and not progress.agreed:  # tell the other ranks, then raise
+                gather.join(exc, ranks, params, device, sink_dtype(self.options.accumulate_dtype, params, True),
+                            Failure(progress.micro_batch, probe.is_out_of_memory(exc)), progress.buffers_synced)
+            raise
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
 
-    def _check(self, batch: Any, indices: Any) -> _Call:
-        """Every check of a call, before anything changes."""
-        _model.check_grad_mode()
-        params = _model.check_model_optimizer(self.model, self.optimizer)
-        device = _model.model_device(self.model)
+    def _check(self, batch: Any, indices: Any, params: list[nn.Parameter], device: torch.device,
+               ranks: Ranks) -> _Call:
+        """Every check of a call's inputs, before anything changes."""
         info = _batch.check(batch, indices, device)
         _model.check_scaler_params(self.options.scaler, params, device)
-        ranks = Ranks.of(self.model)
         rule = _loss.rule_for(self.loss_fn, self.options.normalize)
         loss_call = self._loss_calls.get(info.pair)
         if loss_call is None:  # made once per batch kind: its checks need not run every step
@@ -206,29 +209,35 @@ class MicroBatchStreamer:
         sizes = split_sizes(call.info.rows, m)
         opts, device = self.options, call.device
         optimizer = self.optimizer if stepping else None
+        ranks = call.ranks
         guard = StepGuard(self.model, call.params, optimizer, opts.scaler, device, call.batchnorms)
-        progress.begin(guard, call.ranks)
+        progress.begin(guard)
         sink = None
         try:
             guard.begin()  # old gradients go before new buffers are allocated
-            sink = make_sink(call.params, device, opts.accumulate_dtype)
+            progress.buffers_synced = True  # (a failure inside this collective cannot be joined)
+            ranks.sync_buffers()
+            sink = make_sink(call.params, device, opts.accumulate_dtype, distributed=ranks.group is not None)
             normalizer = Normalizer(call.rule, rows=call.info.rows, num_micro_batches=len(sizes), device=device,
-                                    ranks=call.ranks)
-            progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, call.ranks, device,
+                                    ranks=ranks)
+            progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, ranks, device,
                                           len(sizes))
             ring = self.cache.ring_for(device)
             # A CPU model reads row ranges of the host batch in place: nothing to stage.
             progress.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
+            progress.agreed = ranks.group is not None  # from here on, failures are not joined
+            agreement = gather.gather(normalizer, sink, ranks)
             t_finish = time.perf_counter()
             if stepping:
-                done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device)
+                done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device, agreement)
             else:
-                done = finish_gradients(normalizer, guard, device)
+                done = finish_gradients(normalizer, guard, device, agreement)
         except BaseException as exc:
             guard.rollback(clear_grads=True)
             if sink is not None:
                 sink.release()
-            _add_note(exc, progress.where(call, m, exc))
+            if not isinstance(exc, PeerFailed):
+                _add_note(exc, progress.where(call, m, exc))
             raise
         stats = ring.stats()  # totals of this step's stream
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
@@ -240,19 +249,26 @@ class MicroBatchStreamer:
 
 
 class _Progress:
-    """How far the latest attempt got: what back-off and error notes need to know."""
+    """How far the latest attempt got: what back-off, error notes and a failing rank need to know."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
         self.fb: ForwardBackward | None = None
         self.guard: StepGuard | None = None
-        self.ranks: Ranks | None = None
+        self.buffers_synced = False  # the step's buffer broadcast (DDP) began
+        self.agreed = False  # the step's collective began: a failure is no longer joined
 
-    def begin(self, guard: StepGuard, ranks: Ranks) -> None:
-        self.fb, self.guard, self.ranks = None, guard, ranks
+    def begin(self, guard: StepGuard) -> None:
+        self.fb, self.guard = None, guard
 
     @property
     def streaming(self) -> bool:
         return self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
+
+    @property
+    def micro_batch(self) -> int:
+        """The micro-batch in progress (-1 before the first)."""
+        return self.fb.index if self.fb is not None and self.fb.index < self.fb.num_mb else -1
 
     @property
     def retryable(self) -> bool:
@@ -271,8 +287,9 @@ class _Progress:
             of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
                     f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
-        if self.ranks is not None and self.ranks.ddp is not None and m > 1 and probe.is_out_of_memory(exc):
-            text += "\nmbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge)"
+        if self.ranks.ddp is not None and m > 1 and probe.is_out_of_memory(exc):
+            text += ("\nmbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge); pass a smaller "
+                     "micro_batch_size")
         return text
 
 

@@ -66,14 +66,14 @@ class TestNormalizer:
         weights = [norm.weight(norm.count(None, r)) for r in _ranges(sizes)]
         assert weights == [n / sum(sizes) for n in sizes]
         norm.settle()
-        assert norm.rescale_factor(per_rank=True) == 1.0  # known ahead: nothing to rescale
+        assert norm.rescale_factor() == 1.0  # known ahead: nothing to rescale
 
     def test_count_rule_settles_to_the_exact_total(self):
         counts = iter([2.0, 6.0, 0.0, 4.5])
         norm = _normalizer(normalize.Rule("count", lambda mb: next(counts), "test"), [1, 1, 1, 1])
         provisional = [norm.weight(norm.count(None, r)) for r in _ranges([1, 1, 1, 1])]
         norm.settle()
-        factor = norm.rescale_factor(per_rank=True)
+        factor = norm.rescale_factor()
         exact = [w * factor for w in provisional]
         assert exact == pytest.approx([2 / 12.5, 6 / 12.5, 0.0, 4.5 / 12.5], rel=1e-15)
 
@@ -236,3 +236,20 @@ class TestRanks:
         r = ranks.Ranks(None, None, 1)
         out = r.all_reduce_sum([1.0, torch.tensor(2.0), 3.0], torch.device("cpu"), host_tail=[4.0, 5.0])
         assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class TestFailureRecord:
+    """The failure record that rides in the step's collective (summed over ranks)."""
+
+    def test_slots_say_which_rank_failed_where_and_how(self):
+        one = ranks.Ranks(None, None, 3, rank=1).failure_slots(ranks.Failure(2, out_of_memory=True))
+        two = ranks.Ranks(None, None, 3, rank=2).failure_slots(ranks.Failure(-1, out_of_memory=False))
+        assert one == [0.0, 4.0, 0.0, 0.0, 1.0, 0.0]
+        assert ranks.Ranks(None, None, 3, rank=0).failure_slots(None) == [0.0] * 6
+        summed = [a + b for a, b in zip(one, two)]
+        with pytest.raises(ranks.PeerFailed, match=r"rank 1 ran out of memory at micro-batch 2; "
+                                                   r"rank 2 raised before its first micro-batch; every rank undid"):
+            ranks.Ranks(None, None, 3, rank=0).raise_failures(summed)
+
+    def test_a_rank_is_not_told_of_its_own_failure(self):
+        ranks.Ranks(None, None, 3, rank=1).raise_failures([0.0, 3.0, 0.0, 0.0, 0.0, 0.0])  # nothing raised

@@ -365,19 +365,15 @@ def test_ddp_host_reads_do_not_grow_with_micro_batches(sync_results, name):
 
 @pytest.mark.parametrize("name", sorted(SYNC_CASES))
 def test_ddp_collectives_per_step(sync_results, name):
-    buffered = SYNC_CASES[name][2] is not None
+    """Every micro-batch runs under no_sync (DDP's buckets never all-reduce); the step adds one
+    small collective (totals, flags, the failure record) and sums its one buffer itself: two
+    all-reduces per step, whatever the number of micro-batches, where DDP's own backward makes three."""
     for rank, res in enumerate(sync_results):
         own = res[name, "own"]
         assert own["buckets"] == 3 and own["all_reduce"] == 3, own  # TinyLM's 3 parameters, one bucket each
         for m in SYNC_SIZES:
             got = res[name, m]
-            if buffered:
-                # Every backward under no_sync; the float64 buffer is summed in one all-reduce of its own.
-                assert got["buckets"] == 0 and got["all_reduce"] == 1 + 1, (rank, m, got)
-            else:
-                # DDP's buckets once (the last micro-batch's backward), + 1 for the step's totals.
-                assert got["buckets"] == own["buckets"], (rank, m, got)
-                assert got["all_reduce"] == own["buckets"] + 1, (rank, m, got)
+            assert got["buckets"] == 0 and got["all_reduce"] == 1 + 1, (rank, m, got)
 
 
 # --- the watchdog itself ---------------------------------------------------------------------
@@ -411,3 +407,49 @@ def test_watchdog_reports_a_native_crash(tmp_path):
         run_world(_abort_on_rank_1, timeout=30, grace=3, out_dir=tmp_path)
     text = str(info.value)
     assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text, text
+
+
+# --- module buffers: rank 0's at the start of every step, as DDP's forward does -----------------
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+def _buffers(rank):
+    """Two steps (lr=0: only the running statistics move) streamed and as plain DDP steps on
+    the rank's whole rows; the buffers after each step."""
+    x, y = rows_of(mlp_data(), rank)
+    out = {}
+    for kind in ("streamed", "plain"):
+        torch.manual_seed(0)
+        model = DDP(BNNet().double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        out[kind] = []
+        for _ in range(2):
+            if kind == "streamed":
+                mbs_ext.step(model, opt, (x, y), mse, micro_batch_size=M)
+            else:
+                opt.zero_grad()
+                mse(model, (x, y)).backward()
+                opt.step()
+            out[kind].append({k: v.clone() for k, v in model.module.named_buffers()})
+    return out
+
+
+def test_ddp_buffers_come_from_rank_0_at_each_step(tmp_path):
+    """Each rank commits the statistics of its own rows once per step; the next step starts from
+    rank 0's, as plain DDP's forward broadcasts them (the step does that broadcast itself, before
+    its first micro-batch, so that a rank failing earlier cannot leave the others waiting in it)."""
+    results = run_world(_buffers, timeout=90, out_dir=tmp_path)
+    for rank, res in enumerate(results):
+        for streamed, plain in zip(res["streamed"], res["plain"]):
+            for k in plain:
+                assert rel_err(streamed[k], plain[k]) <= 1e-12, (rank, k)
+    first = [res["streamed"][0]["bn.running_mean"] for res in results]
+    assert rel_err(first[0], first[1]) > 1e-3  # each rank's own rows after the first step

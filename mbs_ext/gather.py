@@ -1,0 +1,93 @@
+"""After the pass: the step's one collective, then the gradients summed over the ranks.
+
+One all-reduce carries everything the ranks must agree on: the total count and loss,
+whether a count or a gradient went bad, which parameters got a gradient, and which
+ranks failed and where. Then each rank's accumulation buffers are summed. A rank that
+failed before this point (in its checks, the plan, or any micro-batch) takes part in
+both with zeros of the same layout and raises its own error; the others read the
+failure record in the finish's one host sync and raise :class:`~mbs_ext.ranks.PeerFailed`.
+Every rank undoes the step, and no rank is left waiting in a collective.
+
+What this cannot cover: a rank dying outright (its peers wait until the process group
+times out, as in any collective), and a failure after this collective (casting the sums
+into ``.grad``, the optimizer step), which each rank meets alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mbs_ext import normalize
+from mbs_ext.grads import AutogradSink, BufferSink, GradBuffers
+from mbs_ext.normalize import Normalizer
+from mbs_ext.ranks import Failure, PeerFailed, Ranks
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The failure record summed over the ranks (a device vector; None on one process)."""
+
+    ranks: Ranks
+    slots: torch.Tensor | None = None
+
+    def failed(self) -> torch.Tensor | float:
+        """How many ranks failed, for the finish's one read (0.0 on one process)."""
+        return 0.0 if self.slots is None else (self.slots[: self.ranks.world] > 0).sum()
+
+    def raise_if_failed(self, failed: float) -> None:
+        """After the read: raise naming the ranks that failed (a second read, on this path only)."""
+        if failed and self.slots is not None:
+            self.ranks.raise_failures(self.slots.tolist())
+
+
+def gather(normalizer: Normalizer, sink: AutogradSink | BufferSink, ranks: Ranks) -> Agreement:
+    """Settle the totals (over the ranks, with the failure record), then sum and cast the buffers."""
+    if not sink.buffered:  # one process: settled before the last backward (see the pass)
+        return Agreement(ranks)
+    got = sink.presence()
+    slots = ranks.failure_slots(None) if ranks.group is not None else []
+    reduced = normalizer.settle(extra=[sink.local_nonfinite()], host_tail=[float(g) for g in got] + slots)
+    if reduced is None:
+        sink.finish(normalizer.rescale_factor(), got)
+        return Agreement(ranks)
+    n = len(got)
+    if not all(got):
+        # Which .grad exist must be known on the host (a host sync, only when this rank's
+        # micro-batches left some parameter without a gradient).
+        got = [v > 0 for v in reduced[1 : 1 + n].tolist()]
+    sink.finish(normalizer.rescale_factor(), got, ranks.group, found=(reduced[0] > 0).to(torch.float32))
+    return Agreement(ranks, reduced[1 + n :])
+
+
+def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
+         failure: Failure, buffers_synced: bool) -> None:
+    """A failed rank's part in the step's collectives, after its own rollback: the buffer
+    broadcast unless it got that far, zeros in :func:`gather`'s collective with its failure
+    record, zero buffers of the same size in the sum. Notes on ``exc`` what the others were told."""
+    try:
+        if not buffers_synced:
+            ranks.sync_buffers()
+        # 1 extra value, as gather's (the non-finite flag); then presence per parameter, then the record.
+        tail = normalize.join(ranks, device, 1, [0.0] * len(params) + ranks.failure_slots(failure))
+        bufs = GradBuffers(params, dtype)
+        bufs.all_reduce(ranks.group)
+        bufs.release()
+        slots = tail[len(params):].tolist()
+    except Exception as join_exc:  # the process group itself failed: nothing more to do
+        _note(exc, f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a "
+                   "collective until the process group times out")
+        return
+    text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
+    try:
+        ranks.raise_failures(slots)
+    except PeerFailed as also:
+        text += f"\n{also}"
+    _note(exc, text)
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(text)
