@@ -69,6 +69,7 @@ class BatchInfo:
     indices: torch.Tensor | None  # CPU int64
     signature: tuple  # (trailing shape, dtype) per tensor leaf: what "auto" plans are cached by
     pair: bool  # an (inputs, targets) pair, as torch.nn loss modules need
+    targets: torch.Tensor | None = None  # a pair's targets (all rows, before indices select)
 
 
 def check(batch: Any, indices: Any, device: torch.device) -> BatchInfo:
@@ -80,7 +81,9 @@ def check(batch: Any, indices: Any, device: torch.device) -> BatchInfo:
         indices = check_indices(indices, n, allowed)
         n = int(indices.numel())
     signature = tuple((tuple(t.shape[1:]), t.dtype) for t in leaves)
-    return BatchInfo(n, indices, signature, is_pair(batch))
+    pair = is_pair(batch)
+    targets = batch[1] if pair and isinstance(batch[1], torch.Tensor) else None
+    return BatchInfo(n, indices, signature, pair, targets)
 
 
 def check_indices(indices: Any, dataset_rows: int, allowed: tuple[torch.device, ...]) -> torch.Tensor:

@@ -177,7 +177,8 @@ def _derived_rule(loss_fn: _Loss, base: type, reduction: str) -> Rule:
     if reduction == "sum":
         return Rule("sum", source=f"{type(loss_fn).__name__}(reduction='sum')")
     if issubclass(base, _CLASS_TARGET_LOSSES):
-        return Rule("count", _ClassTargetCount(loss_fn), f"the weight of the non-ignored targets of {base.__name__}")
+        count = _ClassTargetCount(loss_fn)
+        return Rule("count", count, f"the weight of the non-ignored targets of {base.__name__}", per_row=count.per_row)
     return Rule("samples", source="its rows")
 
 
@@ -201,17 +202,29 @@ class _ClassTargetCount:
         self.loss_fn = loss_fn
 
     def __call__(self, micro_batch: Any) -> Any:
-        target = micro_batch[1]
+        rows = self.per_row(micro_batch[1])
+        if rows is None:
+            return 1.0
+        count = rows.sum()
+        return count.item() if count.device.type == "cpu" else count
+
+    def per_row(self, target: torch.Tensor) -> torch.Tensor | None:
+        """Each row's part of the count, float64 on the target's device (None: a single
+        unbatched probability target, which counts 1)."""
+        n = target.shape[0] if target.dim() else 0
         if target.is_floating_point():
-            return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+            if target.dim() < 2:
+                return None
+            return torch.full((n,), float(target[0].numel() // target.shape[1]), dtype=torch.float64,
+                              device=target.device)
         ignore = self.loss_fn.ignore_index
         keep = target != (-100 if ignore is None else ignore)
         weight = self.loss_fn.weight
         if weight is None:
-            count = keep.sum()
+            per_item = keep.to(torch.float64)
         else:
-            count = (weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep).sum()
-        return count.item() if count.device.type == "cpu" else count
+            per_item = weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep
+        return per_item.reshape(n, -1).sum(1)
 
 
 def check_loss(loss: Any, device: torch.device) -> None:

@@ -39,6 +39,9 @@ class Rule:
     kind: str
     count: Callable[[Any], Any] | None = None
     source: str = ""  # what the rule was read from, for messages
+    # For counts read from an nn loss's targets: each row's part of the count, so that the
+    # counts of all micro-batches can be taken at once from host targets (counts_ahead).
+    per_row: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     @property
     def known_ahead(self) -> bool:
@@ -69,6 +72,23 @@ def check_count(value: Any, source: str = "the normalize callable") -> float:
     return v
 
 
+def counts_ahead(rule: Rule, targets: torch.Tensor | None, indices: torch.Tensor | None,
+                 sizes: list[int]) -> list[float] | None:
+    """Every micro-batch's count before the first one streams, when the rule reads it from
+    targets on the host (their rows at ``indices`` in dataset mode; an ``nn`` loss's class
+    targets): two vectorized operations, no device work, and the step knows its total ahead
+    (no provisional denominator, nothing to rescale). None when the counts must be taken per
+    micro-batch (a user's count callable, targets on a device)."""
+    if rule.per_row is None or targets is None or targets.device.type != "cpu":
+        return None
+    rows = rule.per_row(targets if indices is None else targets.index_select(0, indices))
+    if rows is None:
+        return None
+    segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    counts = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, segment, rows.to(torch.float64)).tolist()
+    return [check_count(c, rule.source) for c in counts]
+
+
 def _device_count(value: torch.Tensor, source: str) -> torch.Tensor:
     if value.numel() != 1:
         raise ValueError(f"{INVALID_COUNT}; {source} returned a tensor of shape {tuple(value.shape)}")
@@ -85,7 +105,8 @@ class Normalizer:
     the step settles, so the cost per micro-batch does not grow with bookkeeping.
     """
 
-    def __init__(self, rule: Rule, *, rows: int, num_micro_batches: int, device: torch.device, ranks: Ranks) -> None:
+    def __init__(self, rule: Rule, *, rows: int, num_micro_batches: int, device: torch.device, ranks: Ranks,
+                 ahead: list[float] | None = None) -> None:
         self.rule = rule
         self.num_mb = num_micro_batches
         self.device = device
@@ -100,6 +121,9 @@ class Normalizer:
         self.bad: torch.Tensor | float = 0.0
         fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
         self.denom: Count | None = fixed.get(rule.kind)
+        self.ahead = ahead  # every count, taken before the first micro-batch (counts_ahead)
+        if ahead is not None:
+            self.denom = sum(ahead) or 1.0  # a zero total: every micro-batch is skipped, check() fails
 
     def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
@@ -109,6 +133,8 @@ class Normalizer:
             c: Count = float(rows[1] - rows[0])
         elif kind in ("micro_batches", "sum"):
             c = 1.0
+        elif self.ahead is not None:
+            c = self.ahead[len(self.rows_of) - 1]
         else:
             c = self._called_count(micro_batch)
         self.counts.append(c)
@@ -142,7 +168,7 @@ class Normalizer:
         """Local totals and checks, then the global ones over the ranks in one collective (with
         ``extra`` values riding along). Returns the reduced ``extra`` + ``host_tail`` (None on one process)."""
         total = self._local_total()
-        self.loss_sum = self._local_loss_sum()
+        self.loss_sum = _loss_sum(self.losses, self.device)
         reduced = None
         if self.ranks.group is not None:
             flag = (self.bad > 0).to(torch.float64) if isinstance(self.bad, torch.Tensor) else 0.0
@@ -168,24 +194,6 @@ class Normalizer:
         counts = torch.stack([self.counts[i] for i in self._device_index])
         self.bad = _first_position(~((counts >= 0) & (counts < math.inf)))  # negative, NaN or inf
         return counts.sum() + host if host else counts.sum()
-
-    def _local_loss_sum(self) -> torch.Tensor:
-        """``sum_i c_i * loss_i`` in float64 (a zero count adds nothing, even a NaN mean); a few
-        vectorized operations, no host-to-device copy."""
-        parts = []
-        on_device = [(loss, c) for _, loss, c in self.losses if isinstance(c, torch.Tensor)]
-        on_host = [(loss, float(c)) for _, loss, c in self.losses if not isinstance(c, torch.Tensor) and c != 0]
-        if on_device:
-            losses = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
-            counts = torch.stack([c for _, c in on_device])
-            parts.append(torch.where(counts > 0, losses * counts, torch.zeros_like(counts)).sum())
-        if on_host:
-            losses = torch.stack([loss for loss, _ in on_host]).to(torch.float64)
-            if self.device.type == "cpu":  # a host tensor of weights is no copy here
-                parts.append(losses @ torch.tensor([c for _, c in on_host], dtype=torch.float64))
-            else:
-                parts.append(torch.stack(torch._foreach_mul(losses.unbind(), [c for _, c in on_host])).sum())
-        return sum(parts[1:], parts[0]) if parts else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def first_nonfinite(self) -> torch.Tensor | float:
         """Where the first non-finite micro-batch loss is, as a device mark for :meth:`nonfinite_at`."""
@@ -232,6 +240,25 @@ def join(ranks: Ranks, device: torch.device, extra: int, host_tail: list[float])
     the ``extra`` values go, then ``host_tail``; returns the reduced ``host_tail``."""
     values = ranks.all_reduce_sum([0.0] * (3 + extra), device, host_tail=host_tail)
     return values[3 + extra:]
+
+
+def _loss_sum(losses: list[tuple[int, torch.Tensor, Count]], device: torch.device) -> torch.Tensor:
+    """``sum_i c_i * loss_i`` in float64 (a zero count adds nothing, even a NaN mean); a few
+    vectorized operations, no host-to-device copy."""
+    parts = []
+    on_device = [(loss, c) for _, loss, c in losses if isinstance(c, torch.Tensor)]
+    on_host = [(loss, float(c)) for _, loss, c in losses if not isinstance(c, torch.Tensor) and c != 0]
+    if on_device:
+        values = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
+        counts = torch.stack([c for _, c in on_device])
+        parts.append(torch.where(counts > 0, values * counts, torch.zeros_like(counts)).sum())
+    if on_host:
+        values = torch.stack([loss for loss, _ in on_host]).to(torch.float64)
+        if device.type == "cpu":  # a host tensor of weights is no copy here
+            parts.append(values @ torch.tensor([c for _, c in on_host], dtype=torch.float64))
+        else:
+            parts.append(torch.stack(torch._foreach_mul(values.unbind(), [c for _, c in on_host])).sum())
+    return sum(parts[1:], parts[0]) if parts else torch.zeros((), dtype=torch.float64, device=device)
 
 
 def _first_position(flags: torch.Tensor) -> torch.Tensor:

@@ -72,20 +72,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     return m
 
 
-def _refuse_fully_sharded(model: nn.Module) -> None:
-    """FSDP2 (``fully_shard``) is not streamed yet: every forward of a sharded module gathers its
-    parameters with a collective, so ranks with different numbers of micro-batches would hang,
-    and its reduce-scatter averages per micro-batch. Refused rather than silently wrong."""
-    fsdp_module = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
-    if fsdp_module is None:
-        return
-    for name, m in unwrap(model).named_modules():
-        if isinstance(m, fsdp_module):
-            raise ValueError(
-                f"model is sharded by FSDP2 (fully_shard on {name or 'the model'}), which mbs_ext does not "
-                "stream yet: its per-forward all-gathers would hang ranks with different numbers of "
-                "micro-batches. Use DistributedDataParallel, or a plain gradient accumulation loop under FSDP2"
-            )
+def _refuse_sharded(params: list[nn.Parameter]) -> None:
+    """FSDP2 (``fully_shard``) and tensor parallelism turn parameters into DTensors. Not streamed
+    yet: every forward of a sharded module gathers its parameters with a collective, so ranks
+    with different numbers of micro-batches would hang, and FSDP's reduce-scatter averages per
+    micro-batch. Refused rather than silently wrong (read from the parameters: cheaper per
+    step than walking the modules, and it sees shards applied to submodules only)."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+        raise ValueError(
+            "model has DTensor parameters (sharded by FSDP2's fully_shard, or tensor parallel), which mbs_ext "
+            "does not stream yet: FSDP2's per-forward all-gathers would hang ranks with different numbers of "
+            "micro-batches. Use DistributedDataParallel, or a plain gradient accumulation loop under FSDP2"
+        )
 
 
 class PeerFailed(RuntimeError):
@@ -111,8 +110,8 @@ class Ranks:
     rank: int = 0
 
     @staticmethod
-    def of(model: nn.Module) -> Ranks:
-        _refuse_fully_sharded(model)
+    def of(model: nn.Module, params: list[nn.Parameter]) -> Ranks:
+        _refuse_sharded(params)
         ddp = find_ddp(model)
         if ddp is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

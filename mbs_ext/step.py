@@ -37,7 +37,7 @@ from mbs_ext.batchnorm import deferring
 from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
 from mbs_ext.grads import make_sink, sink_dtype
-from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.normalize import Normalizer, Rule, counts_ahead
 from mbs_ext.options import StepOptions, make_options
 from mbs_ext.ranks import Failure, PeerFailed, Ranks
 from mbs_ext.ring import StreamRing, split_sizes
@@ -167,7 +167,7 @@ class MicroBatchStreamer:
         t_begin = time.perf_counter()
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
         params, device = _model.check_model_optimizer(self.model, self.optimizer), _model.model_device(self.model)
-        progress = _Progress(ranks := Ranks.of(self.model))
+        progress = _Progress(ranks := Ranks.of(self.model, params))
         try:
             call = self._check(batch, indices, params, device, ranks)
             with deferring(self.model) as call.batchnorms:
@@ -218,8 +218,9 @@ class MicroBatchStreamer:
             progress.buffers_synced = True  # (a failure inside this collective cannot be joined)
             ranks.sync_buffers()
             sink = make_sink(call.params, device, opts.accumulate_dtype, distributed=ranks.group is not None)
+            ahead = counts_ahead(call.rule, call.info.targets, call.info.indices, sizes)
             normalizer = Normalizer(call.rule, rows=call.info.rows, num_micro_batches=len(sizes), device=device,
-                                    ranks=ranks)
+                                    ranks=ranks, ahead=ahead)
             progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, ranks, device,
                                           len(sizes))
             ring = self.cache.ring_for(device)

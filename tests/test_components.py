@@ -215,7 +215,7 @@ class TestBackoffPolicy:
 
 class TestRanks:
     def test_plain_model_without_distributed_is_one_rank(self):
-        r = ranks.Ranks.of(nn.Linear(2, 2))
+        r = ranks.Ranks.of(lin := nn.Linear(2, 2), list(lin.parameters()))
         assert (r.ddp, r.group, r.world) == (None, None, 1)
 
     def test_unwrap_sees_through_wrappers_only(self):
@@ -253,3 +253,40 @@ class TestFailureRecord:
 
     def test_a_rank_is_not_told_of_its_own_failure(self):
         ranks.Ranks(None, None, 3, rank=1).raise_failures([0.0, 3.0, 0.0, 0.0, 0.0, 0.0])  # nothing raised
+
+
+class TestCountsAhead:
+    """An nn loss's class-target counts taken for every micro-batch at once, from host targets."""
+
+    @pytest.mark.parametrize("weighted", [False, True])
+    def test_equal_the_per_micro_batch_counts(self, weighted):
+        from mbs_ext import loss
+
+        g = torch.Generator().manual_seed(0)
+        weight = torch.rand(5, generator=g, dtype=torch.float64) if weighted else None
+        rule = loss.rule_for(nn.CrossEntropyLoss(weight=weight, ignore_index=2), None)
+        targets = torch.randint(0, 5, (23, 3), generator=g)
+        for indices in (None, torch.randperm(23, generator=g)[:17]):
+            rows = targets if indices is None else targets[indices]
+            sizes = ring.split_sizes(len(rows), 4)
+            ahead = normalize.counts_ahead(rule, targets, indices, sizes)
+            per_micro_batch = [rule.count((None, rows[a:b])) for a, b in _ranges(sizes)]
+            assert ahead == pytest.approx(per_micro_batch, rel=1e-15, abs=0)
+            assert sum(ahead) == pytest.approx(float(((rows != 2) * (1.0 if weight is None else weight[rows])).sum()))
+
+    def test_none_where_counts_are_taken_per_micro_batch(self):
+        from mbs_ext import loss
+
+        ce = loss.rule_for(nn.CrossEntropyLoss(), None)
+        assert normalize.counts_ahead(ce, None, None, [2]) is None  # no (inputs, targets) pair
+        assert normalize.counts_ahead(ce, torch.rand(4, 3), None, [4]) is not None  # probability targets
+        assert normalize.counts_ahead(normalize.rule_of(lambda mb: 1.0), torch.zeros(4, dtype=torch.long), None,
+                                      [4]) is None  # a user's callable sees each micro-batch
+        assert normalize.counts_ahead(normalize.rule_of("samples"), torch.zeros(4), None, [4]) is None
+
+    def test_a_negative_class_weight_is_refused(self):
+        from mbs_ext import loss
+
+        rule = loss.rule_for(nn.CrossEntropyLoss(weight=torch.tensor([1.0, -1.0])), None)
+        with pytest.raises(ValueError, match="non-negative"):
+            normalize.counts_ahead(rule, torch.tensor([0, 1, 1]), None, [2, 1])
