@@ -7,7 +7,7 @@ host and never synchronizes with a device, so it is cheap to call once per step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,23 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x, batch
     )
+
+
+def row_slices(batch: Any, sizes: list[int], indices: torch.Tensor | None,
+               needed: bool) -> Iterator[tuple[Any, tuple[int, int]]]:
+    """``(micro_batch, (start, stop))`` for consecutive row ranges of ``sizes``: views of
+    ``batch`` (or its rows at ``indices``), or None in place of each when not ``needed``."""
+    start = 0
+    for size in sizes:
+        stop = start + size
+        if not needed:
+            yield None, (start, stop)
+        elif indices is None:
+            rows = slice(start, stop)
+            yield pytree.tree_map(lambda x, r=rows: x[r] if isinstance(x, torch.Tensor) else x, batch), (start, stop)
+        else:
+            yield take(batch, indices[start:stop]), (start, stop)
+        start = stop
 
 
 def is_pair(batch: Any) -> bool:

@@ -74,6 +74,7 @@ def finish(
         # Norm now, clip only once the step is known to go ahead: a skipped step leaves
         # the offending gradient in .grad for inspection.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
     values = [*normalizer.device_values(), found, agreement.failed()]
     if norm is not None:

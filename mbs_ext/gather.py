@@ -16,6 +16,7 @@ into ``.grad``, the optimizer step), which each rank meets alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,10 @@ class Agreement:
 
 def gather(normalizer: Normalizer, sink: AutogradSink | BufferSink, ranks: Ranks) -> Agreement:
     """Settle the totals (over the ranks, with the failure record), then sum and cast the buffers."""
+    if ranks.fsdp:  # FSDP2 reduced the gradients itself; the ranks agree on the rest
+        reduced = normalizer.settle(extra=[sink.local_nonfinite()], host_tail=ranks.failure_slots(None))
+        sink.found = (reduced[0] > 0).to(torch.float32)
+        return Agreement(ranks, reduced[1:])
     if not sink.buffered:  # one process: settled before the last backward (see the pass)
         return Agreement(ranks)
     got = sink.presence()
@@ -63,12 +68,19 @@ def gather(normalizer: Normalizer, sink: AutogradSink | BufferSink, ranks: Ranks
 
 
 def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
-         failure: Failure, buffers_synced: bool) -> None:
+         failure: Failure, progress: Any) -> None:
     """A failed rank's part in the step's collectives, after its own rollback: the buffer
     broadcast unless it got that far, zeros in :func:`gather`'s collective with its failure
-    record, zero buffers of the same size in the sum. Notes on ``exc`` what the others were told."""
+    record, zero buffers of the same size in the sum. Notes on ``exc`` what the others were told.
+
+    Under FSDP2 only a failure before the ranks agreed on their micro-batches can be shared
+    (in that agreement); once streaming, FSDP's collectives run inside every forward and
+    backward, and a rank that stops mid-way leaves the others waiting in them."""
+    if ranks.fsdp:
+        _join_sharded(exc, ranks, device, failure, progress.planned)
+        return
     try:
-        if not buffers_synced:
+        if not progress.buffers_synced:
             ranks.sync_buffers()
         # 1 extra value, as gather's (the non-finite flag); then presence per parameter, then the record.
         tail = normalize.join(ranks, device, 1, [0.0] * len(params) + ranks.failure_slots(failure))
@@ -85,6 +97,22 @@ def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch
         ranks.raise_failures(slots)
     except PeerFailed as also:
         text += f"\n{also}"
+    _note(exc, text)
+
+
+def _join_sharded(exc: Exception, ranks: Ranks, device: torch.device, failure: Failure, planned: bool) -> None:
+    if planned:
+        _note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2, whose collectives run "
+                   "inside every forward and backward: the other ranks wait in them until the process group "
+                   "times out")
+        return
+    text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
+    try:
+        ranks.agree_micro_batches(0.0, 0, device, failure)
+    except PeerFailed as also:
+        text += f"\n{also}"
+    except Exception as join_exc:  # the process group itself failed
+        text = f"mbs_ext.step: could not tell the other ranks ({join_exc!r})"
     _note(exc, text)
 
 

@@ -176,6 +176,12 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     return found
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 gradients), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def overflow_on_cast(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     """1.0 when a finite float32 sum did not fit an fp16 ``.grad`` (fp16's range is small)."""
     grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float16]
@@ -192,6 +198,11 @@ class AutogradSink:
     def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
         self.params = params
         self.device = device
+        self.found: torch.Tensor | None = None  # non-finite flag over all FSDP2 ranks
+
+    def local_nonfinite(self) -> torch.Tensor:
+        """This rank's non-finite flag: of its shards of the gradients under FSDP2."""
+        return nonfinite_flag([_local(p.grad) for p in self.params if p.grad is not None], self.device)
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
         loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)
@@ -201,9 +212,9 @@ class AutogradSink:
         rescale_grads(self.params, factor)
 
     def nonfinite(self, clipping: bool) -> torch.Tensor:
-        if clipping:  # the norm computed for clipping covers it
+        if clipping:  # the norm computed for clipping covers it (a global one under FSDP2)
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)
+        return self.found if self.found is not None else self.local_nonfinite()
 
     def release(self) -> None:
         pass

@@ -142,6 +142,20 @@ class Normalizer:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c
 
+    def count_ahead(self, micro_batches: Any) -> Count:
+        """Count every ``(micro_batch, rows)`` before the first one streams (FSDP2, where the ranks
+        agree on the total first); returns this rank's total, for :meth:`agree`."""
+        for mb, rows in micro_batches:
+            self.count(mb, rows)
+        total = self._local_total()
+        self.ahead, self.counts, self.rows_of = self.counts, [], []
+        return total
+
+    def agree(self, global_total: Count) -> None:
+        """The total over all ranks, known before the first micro-batch: every weight is exact."""
+        if not self.summing:
+            self.denom = global_total
+
     def _called_count(self, micro_batch: Any) -> Count:
         value = self.rule.count(micro_batch)
         source = self.rule.source

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 ON_NONFINITE = ("skip", "raise")
+FSDP_ACCUMULATE = ("sharded", "unsharded")
 NORMALIZE_RULES = ("samples", "micro_batches", "sum")
 
 Normalize = str | Callable[[Any], "float | torch.Tensor"] | None
@@ -48,6 +49,13 @@ class StepOptions:
     * ``on_nonfinite``: ``"skip"`` (warn, change nothing but a GradScaler's scale) or
       ``"raise"`` (FloatingPointError, nothing changed).
     * ``memory_budget``: bytes the step may use, for ``micro_batch_size="auto"``.
+    * ``process_group``: a ``torch.distributed`` process group the model is replicated over
+      when the step cannot find DistributedDataParallel in it (a wrapper it does not know):
+      the step then sums the counts and the gradients over that group itself (the wrapper
+      must not sync gradients). Not needed for DDP and FSDP2, whose groups are read.
+    * ``fsdp_accumulate``: under FSDP2, ``"sharded"`` (reduce-scatter every micro-batch:
+      1/world of the gradient memory) or ``"unsharded"`` (full gradients accumulate, one
+      reduce-scatter at the end: fewer collectives, more memory).
     """
 
     micro_batch_size: int | str
@@ -58,6 +66,8 @@ class StepOptions:
     accumulate_dtype: torch.dtype | None = None
     on_nonfinite: str = "skip"
     memory_budget: int | None = None
+    fsdp_accumulate: str = "sharded"
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         _check_micro_batch_size(self.micro_batch_size)
@@ -71,6 +81,11 @@ class StepOptions:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
         check_memory_budget(self.memory_budget)
+        if self.process_group is not None and not isinstance(self.process_group, torch.distributed.ProcessGroup):
+            raise TypeError("process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD) or "
+                            f"None, got {type(self.process_group).__name__}")
+        if self.fsdp_accumulate not in FSDP_ACCUMULATE:
+            raise ValueError(f"fsdp_accumulate must be one of {FSDP_ACCUMULATE}, got {self.fsdp_accumulate!r}")
 
     def replace(self, **overrides: Any) -> StepOptions:
         """A copy with ``overrides`` applied (and checked)."""

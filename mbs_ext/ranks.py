@@ -1,11 +1,14 @@
-"""Data-parallel ranks: which process group a step normalizes over, and its one collective.
+"""Data-parallel ranks: which process group a step normalizes over, and what the ranks share.
 
 A model handed to the step may be DistributedDataParallel itself or wrapped around
-it (``torch.compile``'s ``OptimizedModule``, framework wrappers exposing ``.module``).
-The step finds the DDP module through those wrappers: only DDP's ``no_sync`` keeps
-micro-batches from all-reducing, and only its process group says what "global" means.
-A plain model while ``torch.distributed`` runs with several ranks is refused: each
-rank would silently take its own step and the replicas would drift apart.
+it (``torch.compile``'s ``OptimizedModule``, framework wrappers exposing ``.module``),
+or sharded by FSDP2 (:mod:`mbs_ext.sharded`). The step finds the DDP module through
+those wrappers: only DDP's ``no_sync`` keeps micro-batches from all-reducing, and only
+its process group says what "global" means. A plain model while ``torch.distributed``
+runs with several ranks is refused: each rank would silently take its own step and the
+replicas would drift apart. Here too: the all-reduce primitive of the step's small
+collectives, and the failure record that rides in them (:class:`Failure`,
+:class:`PeerFailed`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from mbs_ext import sharded
 
 # Attributes through which wrappers expose the module they wrap: torch.compile's
 # OptimizedModule (_orig_mod), Lightning Fabric's _FabricModule (_forward_module: what its
@@ -72,21 +77,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return m
 
 
-def _refuse_sharded(params: list[nn.Parameter]) -> None:
-    """FSDP2 (``fully_shard``) and tensor parallelism turn parameters into DTensors. Not streamed
-    yet: every forward of a sharded module gathers its parameters with a collective, so ranks
-    with different numbers of micro-batches would hang, and FSDP's reduce-scatter averages per
-    micro-batch. Refused rather than silently wrong (read from the parameters: cheaper per
-    step than walking the modules, and it sees shards applied to submodules only)."""
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
-        raise ValueError(
-            "model has DTensor parameters (sharded by FSDP2's fully_shard, or tensor parallel), which mbs_ext "
-            "does not stream yet: FSDP2's per-forward all-gathers would hang ranks with different numbers of "
-            "micro-batches. Use DistributedDataParallel, or a plain gradient accumulation loop under FSDP2"
-        )
-
-
 class PeerFailed(RuntimeError):
     """Another rank failed in this step; this rank undid its part too (nothing changed)."""
 
@@ -108,11 +98,23 @@ class Ranks:
     group: Any
     world: int
     rank: int = 0
+    fsdp: tuple[nn.Module, ...] = ()  # FSDP2 modules (then ddp is None; see mbs_ext.sharded)
 
     @staticmethod
-    def of(model: nn.Module, params: list[nn.Parameter]) -> Ranks:
-        _refuse_sharded(params)
+    def of(model: nn.Module, params: list[nn.Parameter], process_group: Any = None) -> Ranks:
+        """The ranks of ``model`` (DDP found through wrappers, FSDP2 from its parameters), or of
+        ``process_group`` for a replicated model the step cannot recognise."""
         ddp = find_ddp(model)
+        if sharded.dtensor_params(params):
+            modules, group = sharded.fully_sharded(unwrap(model), params)
+            if ddp is not None or process_group not in (None, group):
+                raise ValueError("model is sharded by FSDP2, which sets its process group; pass no "
+                                 "process_group and no DistributedDataParallel around it")
+            return Ranks(None, group, dist.get_world_size(group), dist.get_rank(group), modules)
+        if ddp is not None and process_group not in (None, ddp.process_group):
+            raise ValueError("process_group differs from the DistributedDataParallel module's; pass none")
+        if ddp is None and process_group is not None:  # a replica the step sums over itself
+            return Ranks(None, process_group, dist.get_world_size(process_group), dist.get_rank(process_group))
         if ddp is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(
@@ -120,11 +122,19 @@ class Ranks:
                     f"{'/'.join('.' + a for a in _WRAPPED)}) while torch.distributed runs with "
                     f"{dist.get_world_size()} ranks: each rank would take its own optimizer step and the "
                     "replicas would drift apart. Wrap the model in DistributedDataParallel (the step then "
-                    "normalizes over all ranks), or step each rank alone on purpose outside mbs_ext"
+                    "normalizes over all ranks), pass process_group= for a replica whose wrapper the step "
+                    "does not recognise (the step then sums counts and gradients over that group itself; "
+                    "the wrapper must not), or step each rank alone on purpose outside mbs_ext"
                 )
             return Ranks(None, None, 1)
         group = ddp.process_group
         return Ranks(ddp, group, dist.get_world_size(group), dist.get_rank(group))
+
+    @property
+    def summing(self) -> bool:
+        """Whether the step sums the gradients over the ranks itself (DDP, or an explicit
+        ``process_group``); FSDP2 reduce-scatters them on its own."""
+        return self.group is not None and not self.fsdp
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """DDP's ``no_sync`` for every micro-batch: the step sums the gradients itself (see
@@ -154,6 +164,18 @@ class Ranks:
             dist.broadcast(flat, src=src, group=self.group)
             for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
                 b.copy_(v)
+
+    def agree_micro_batches(self, local_total: Any, num_mb: int, device: torch.device,
+                            failure: Failure | None = None) -> tuple[int, Any]:
+        """FSDP2, before the first micro-batch: one all-reduce gives the largest number of
+        micro-batches of any rank and the global total count, and tells every rank whether one
+        failed before it (then every rank raises here). One host read: the loop needs its count."""
+        counts = [0.0] * self.world
+        counts[self.rank] = float(num_mb)
+        values = self.all_reduce_sum([local_total], device, host_tail=counts + self.failure_slots(failure))
+        tail = values[1:].tolist()
+        self.raise_failures(tail[self.world:])
+        return int(max(tail[: self.world])), values[0]
 
     def failure_slots(self, failure: Failure | None) -> list[float]:
         """This rank's part of the failure record that rides in the step's collective: per rank,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import backoff, gather, planner, probe
+from mbs_ext import backoff, gather, planner, probe, sharded
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext import model as _model
@@ -76,7 +76,7 @@ class _Cache:
                 plan = planner.plan(
                     model, call.batch, call.loss_call, planner.default_budget(call.device, opts.memory_budget),
                     num_rows=call.info.rows, indices=call.info.indices,
-                    accumulate_dtype=sink_dtype(opts.accumulate_dtype, call.params, call.ranks.group is not None),
+                    accumulate_dtype=sink_dtype(opts.accumulate_dtype, call.params, call.ranks.summing),
                     autocast_dtype=opts.autocast_dtype,
                 )
                 self.plans[key] = plan
@@ -167,15 +167,11 @@ class MicroBatchStreamer:
         t_begin = time.perf_counter()
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
         params, device = _model.check_model_optimizer(self.model, self.optimizer), _model.model_device(self.model)
-        progress = _Progress(ranks := Ranks.of(self.model, params))
+        progress = _Progress(ranks := Ranks.of(self.model, params, self.options.process_group))
         try:
             call = self._check(batch, indices, params, device, ranks)
             with deferring(self.model) as call.batchnorms:
                 size, key = self.cache.size_for(self.model, self.options, call)
-
-                def remember(smaller: int) -> None:
-                    self.cache.size_cap[key] = smaller
-
                 result = backoff.with_backoff(
                     lambda m: self._attempt(call, m, progress, stepping),
                     size,
@@ -183,12 +179,10 @@ class MicroBatchStreamer:
                     fits_at=lambda m: probe.fits(self.model, call.batch, call.info.indices, m, call.device,
                                                  call.loss_call, self.options.autocast_dtype),
                     free=lambda: probe.release_cached_memory(call.device),
-                    remember=remember,
+                    remember=lambda smaller: self.cache.size_cap.__setitem__(key, smaller),
                 )
         except Exception as exc:
-            if ranks.group is not None and not progress.agreed:  # tell the other ranks, then raise
-                gather.join(exc, ranks, params, device, sink_dtype(self.options.accumulate_dtype, params, True),
-                            Failure(progress.micro_batch, probe.is_out_of_memory(exc)), progress.buffers_synced)
+            progress.share_failure(exc, params, device, self.options.accumulate_dtype)
             raise
         result.timings["total_s"] = time.perf_counter() - t_begin
         return result
@@ -198,6 +192,8 @@ class MicroBatchStreamer:
         """Every check of a call's inputs, before anything changes."""
         info = _batch.check(batch, indices, device)
         _model.check_scaler_params(self.options.scaler, params, device)
+        if ranks.fsdp:
+            sharded.check_options(self.options, sink_dtype(self.options.accumulate_dtype, params, False))
         rule = _loss.rule_for(self.loss_fn, self.options.normalize)
         loss_call = self._loss_calls.get(info.pair)
         if loss_call is None:  # made once per batch kind: its checks need not run every step
@@ -217,15 +213,17 @@ class MicroBatchStreamer:
             guard.begin()  # old gradients go before new buffers are allocated
             progress.buffers_synced = True  # (a failure inside this collective cannot be joined)
             ranks.sync_buffers()
-            sink = make_sink(call.params, device, opts.accumulate_dtype, distributed=ranks.group is not None)
+            sink = make_sink(call.params, device, opts.accumulate_dtype, distributed=ranks.summing)
             ahead = counts_ahead(call.rule, call.info.targets, call.info.indices, sizes)
             normalizer = Normalizer(call.rule, rows=call.info.rows, num_micro_batches=len(sizes), device=device,
                                     ranks=ranks, ahead=ahead)
+            padded = _agree_sharded(call, normalizer, sizes, progress) if ranks.fsdp else None
             progress.fb = ForwardBackward(self.model, call.loss_call, opts, normalizer, sink, ranks, device,
-                                          len(sizes))
+                                          len(sizes), padded)
             ring = self.cache.ring_for(device)
-            # A CPU model reads row ranges of the host batch in place: nothing to stage.
-            progress.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
+            with sharded.summing(ranks.fsdp):
+                # A CPU model reads row ranges of the host batch in place: nothing to stage.
+                progress.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
             progress.agreed = ranks.group is not None  # from here on, failures are not joined
             agreement = gather.gather(normalizer, sink, ranks)
             t_finish = time.perf_counter()
@@ -249,6 +247,18 @@ class MicroBatchStreamer:
         )
 
 
+def _agree_sharded(call: _Call, normalizer: Normalizer, sizes: list[int], progress: _Progress) -> int:
+    """FSDP2: count every micro-batch ahead, then agree with the other ranks on the number of
+    micro-batches each runs and on the total (:mod:`mbs_ext.sharded`)."""
+    slices = _batch.row_slices(call.batch, sizes, call.info.indices,
+                               needed=normalizer.ahead is None and call.rule.kind == "count")
+    local_total = normalizer.count_ahead(slices)
+    progress.planned = True  # (a failure inside this collective cannot be joined)
+    padded, total = call.ranks.agree_micro_batches(local_total, len(sizes), call.device)
+    normalizer.agree(total)
+    return padded
+
+
 class _Progress:
     """How far the latest attempt got: what back-off, error notes and a failing rank need to know."""
 
@@ -257,6 +267,7 @@ class _Progress:
         self.fb: ForwardBackward | None = None
         self.guard: StepGuard | None = None
         self.buffers_synced = False  # the step's buffer broadcast (DDP) began
+        self.planned = False  # FSDP2: the ranks agreed on their micro-batches
         self.agreed = False  # the step's collective began: a failure is no longer joined
 
     def begin(self, guard: StepGuard) -> None:
@@ -265,6 +276,15 @@ class _Progress:
     @property
     def streaming(self) -> bool:
         return self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
+
+    def share_failure(self, exc: Exception, params: list[nn.Parameter], device: torch.device,
+                      accumulate_dtype: torch.dtype | None) -> None:
+        """Across ranks, a failure before the step's collective: take part in it so that every rank
+        raises (:func:`mbs_ext.gather.join`). Not for PeerFailed: the others know already."""
+        if self.ranks.group is None or self.agreed or isinstance(exc, PeerFailed):
+            return
+        gather.join(exc, self.ranks, params, device, sink_dtype(accumulate_dtype, params, True),
+                    Failure(self.micro_batch, probe.is_out_of_memory(exc)), self)
 
     @property
     def micro_batch(self) -> int:
@@ -276,7 +296,7 @@ class _Progress:
         """Back off only where a smaller micro-batch helps (out of memory while streaming, not in
         the finish), only while nothing irreversible happened, and never under DDP (ranks would
         pick different sizes)."""
-        return self.streaming and not self.guard.stepping and self.ranks.ddp is None
+        return self.streaming and not self.guard.stepping and self.ranks.group is None
 
     def where(self, call: _Call, m: int, exc: BaseException) -> str:
         fb = self.fb
@@ -288,8 +308,8 @@ class _Progress:
             of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
                     f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
-        if self.ranks.ddp is not None and m > 1 and probe.is_out_of_memory(exc):
-            text += ("\nmbs_ext.step: no out-of-memory back-off under DDP (ranks would diverge); pass a smaller "
+        if self.ranks.group is not None and m > 1 and probe.is_out_of_memory(exc):
+            text += ("\nmbs_ext.step: no out-of-memory back-off across ranks (they would diverge); pass a smaller "
                      "micro_batch_size")
         return text
 

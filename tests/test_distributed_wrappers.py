@@ -10,7 +10,8 @@ Wrappers: ``DDP(model)``, ``DDP(torch.compile(model))``, ``torch.compile(DDP(mod
 Fabric's ``_FabricModule`` from ``Fabric(strategy="ddp").setup`` (whose ``.module`` is
 the *unwrapped* model; the DDP module is its ``_forward_module``), with and without
 ``torch.compile``; Fabric casts outputs to the default dtype, so its cases run with
-float64 as the default. Compiled models use inductor (C++ code generation on the CPU:
+float64 as the default. And a plain replica (no DDP) with ``process_group=``: the
+override for a wrapper the step cannot recognise. Compiled models use inductor (C++ code generation on the CPU:
 about 40 s for all the wrapper cases on 2 cores with a cold cache, 20 s warm);
 ``MBS_TEST_COMPILE_BACKEND=aot_eager`` traces the same graphs without generating code.
 """
@@ -37,7 +38,8 @@ STEPS = 2
 TOL = 1e-12
 COMPILE_BACKEND = os.environ.get("MBS_TEST_COMPILE_BACKEND", "inductor")
 
-WRAPPERS = ["ddp", "ddp_of_compiled", "compiled_ddp", "fabric", "fabric_compiled"]
+# "explicit_group": a plain replica, no DDP, with process_group= (a wrapper the step cannot see).
+WRAPPERS = ["ddp", "ddp_of_compiled", "compiled_ddp", "fabric", "fabric_compiled", "explicit_group"]
 DATA = ["tokens", "samples"]
 
 
@@ -135,8 +137,9 @@ def _wrapped_steps(rank):
             model, opt = wrap(wrapper, model, rank)
             local = rows_of(data, rank)
             losses = []
+            group = {"process_group": dist.group.WORLD} if wrapper == "explicit_group" else {}
             for _ in range(STEPS):
-                res = mbs_ext.step(model, opt, local, loss_fn, micro_batch_size=M, normalize=normalize)
+                res = mbs_ext.step(model, opt, local, loss_fn, micro_batch_size=M, normalize=normalize, **group)
                 losses.append(res.loss)
             out[wrapper, data_kind] = {
                 "type": type(model).__name__,
@@ -245,29 +248,6 @@ def test_weighted_float_counts_are_global_under_ddp(tmp_path):
             assert rel_err(p, q) <= TOL
 
 
-def _fully_sharded(rank):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = MLP().double()
-    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        mbs_ext.step(model, opt, rows_of(mlp_data(), rank), mse, micro_batch_size=M)
-    except ValueError as exc:
-        return {"error": str(exc), "grads": [p.grad for p in model.parameters()]}
-    return {"error": None}
-
-
-def test_fully_sharded_model_is_refused_on_every_rank(tmp_path):
-    """FSDP2 is not streamed yet: refused before any collective (a step would hang in the
-    all-gather of the micro-batch only one rank runs)."""
-    for res in run_world(_fully_sharded, timeout=60, out_dir=tmp_path):
-        assert res["error"] and "FSDP2" in res["error"] and "DistributedDataParallel" in res["error"], res
-        assert all(g is None for g in res["grads"])
-
-
 def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
     for rank, res in enumerate(run_world(_plain_model, timeout=60, out_dir=tmp_path)):
         assert res["world"] == WORLD
@@ -275,6 +255,7 @@ def test_plain_model_under_two_ranks_is_refused_on_every_rank(tmp_path):
             assert error is not None, rank
             assert "plain MLP" in error and "2 ranks" in error, error
             assert "Wrap the model in DistributedDataParallel" in error, error  # the fix
+            assert "pass process_group=" in error, error  # the override for wrappers it cannot see
         assert_bit_identical(res["before"], res["after"])
         for k, g in res["grads"].items():
             assert torch.equal(g, res["grads_after"][k]), (rank, k)

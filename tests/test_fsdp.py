@@ -1,0 +1,227 @@
+"""FSDP2 (``fully_shard``) streamed on two gloo processes, against one single-process full-batch step.
+
+Rank 0 holds 10 rows and rank 1 holds 7, at ``micro_batch_size=3`` (4 and 3 micro-batches:
+rank 1 runs one zero-weight micro-batch so that FSDP's all-gathers and reduce-scatters
+pair up). Two AdamW steps in float64 equal two single-process steps on all 17 rows to
+1e-12, with token counts and with sample counts, reduce-scattering every micro-batch
+(``fsdp_accumulate="sharded"``) or once at the end (``"unsharded"``), eagerly and under
+``torch.compile``; float32 to 1e-6; clipping by the global norm; a non-finite loss on one
+rank skips the step on both; a batch refused on one rank makes both raise; FSDP's own
+reduction settings come back after each step. Every case runs under the harness's watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ddp_harness import WORLD, run_world
+from helpers import TinyLM, lm_loss, rel_err, token_count
+from torch import nn
+
+import mbs_ext
+
+ROWS = (10, 7)
+M = 3
+STEPS = 2
+COMPILE_BACKEND = os.environ.get("MBS_TEST_COMPILE_BACKEND", "inductor")
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def data(kind, dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    n = sum(ROWS)
+    if kind == "tokens":
+        ids = torch.randint(0, 11, (n, 6), generator=g)
+        keep = torch.randint(1, 7, (n, 1), generator=g)
+        return {"ids": ids, "labels": torch.where(torch.arange(6) < keep, torch.roll(ids, -1, 1), -100)}
+    return torch.randn(n, 4, generator=g, dtype=dtype), torch.randn(n, 2, generator=g, dtype=dtype)
+
+
+def rows_of(batch, rank):
+    lo = sum(ROWS[:rank])
+    if isinstance(batch, dict):
+        return {k: v[lo:lo + ROWS[rank]] for k, v in batch.items()}
+    return tuple(v[lo:lo + ROWS[rank]] for v in batch)
+
+
+def case(kind, dtype=torch.float64):
+    torch.manual_seed(0)
+    if kind == "tokens":
+        return TinyLM().to(dtype), lm_loss, token_count
+    return MLP().to(dtype), mse, "samples"
+
+
+def shard(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _settings(model):
+    return [(g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads)
+            for m in model.modules() if hasattr(m, "_get_fsdp_state")
+            for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def _train(rank, kind, mode, compiled, dtype=torch.float64, max_grad_norm=None):
+    model, loss_fn, normalize = case(kind, dtype)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepped = torch.compile(model, backend=COMPILE_BACKEND) if compiled else model
+    before = _settings(model)
+    batch = rows_of(data(kind, dtype), rank)
+    results = []
+    for _ in range(STEPS):
+        results.append(mbs_ext.step(stepped, opt, batch, loss_fn, micro_batch_size=M, normalize=normalize,
+                                    fsdp_accumulate=mode, max_grad_norm=max_grad_norm))
+    return {"params": [full(p).detach().clone() for p in model.parameters()],
+            "losses": [r.loss for r in results], "num_micro_batches": results[0].num_micro_batches,
+            "norms": [r.grad_norm for r in results], "settings_kept": _settings(model) == before}
+
+
+EXACT = [(kind, mode, compiled) for kind in ("tokens", "samples") for mode in ("sharded", "unsharded")
+         for compiled in (False, True) if not (compiled and mode == "unsharded")]
+
+
+def _exact_cases(rank):
+    out = {c: _train(rank, *c) for c in EXACT}
+    out["float32"] = _train(rank, "samples", "sharded", False, dtype=torch.float32)
+    out["clipped"] = _train(rank, "tokens", "sharded", False, max_grad_norm=0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    return run_world(_exact_cases, timeout=300, out_dir=tmp_path_factory.mktemp("fsdp"))
+
+
+def reference(kind, dtype=torch.float64, max_grad_norm=None):
+    model, loss_fn, _ = case(kind, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = data(kind, dtype)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        opt.step()
+        losses.append(float(loss))
+    return [p.detach() for p in model.parameters()], losses, norms
+
+
+@pytest.mark.parametrize(("kind", "mode", "compiled"), EXACT)
+def test_fully_sharded_equals_one_full_batch_step(fsdp_results, kind, mode, compiled):
+    ref, ref_losses, _ = reference(kind)
+    for rank, res in enumerate(fsdp_results):
+        got = res[kind, mode, compiled]
+        assert got["num_micro_batches"] == (4, 3)[rank]
+        assert got["settings_kept"]
+        for p, q in zip(got["params"], ref):
+            assert rel_err(p, q) <= 1e-12, (rank, rel_err(p, q))
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-12)  # the global loss on every rank
+
+
+def test_fully_sharded_float32(fsdp_results):
+    ref, _, _ = reference("samples", torch.float32)
+    for res in fsdp_results:
+        for p, q in zip(res["float32"]["params"], ref):
+            assert rel_err(p, q) <= 1e-6
+
+
+def test_fully_sharded_clips_by_the_global_norm(fsdp_results):
+    ref, _, ref_norms = reference("tokens", max_grad_norm=0.05)
+    assert ref_norms[0] > 0.05  # the clip bites
+    for res in fsdp_results:
+        assert res["clipped"]["norms"] == pytest.approx(ref_norms, rel=1e-12)
+        for p, q in zip(res["clipped"]["params"], ref):
+            assert rel_err(p, q) <= 1e-12
+
+
+def _faults(rank):
+    import warnings
+
+    out = {}
+    model, loss_fn, normalize = case("tokens")
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = rows_of(data("tokens"), rank)
+    before = [full(p).detach().clone() for p in model.parameters()]
+
+    def nan_on_rank_1(m, mb):
+        loss = loss_fn(m, mb)
+        return loss * float("nan") if rank == 1 else loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = mbs_ext.step(model, opt, batch, nan_on_rank_1, micro_batch_size=M, normalize=normalize)
+    out["skipped"] = res.skipped
+    out["warned"] = any("non-finite" in str(w.message) for w in caught)
+    out["unchanged_after_skip"] = all(torch.equal(full(p), b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    bad = dict(batch, labels=batch["labels"][:-1]) if rank == 1 else batch
+    try:
+        mbs_ext.step(model, opt, bad, loss_fn, micro_batch_size=M, normalize=normalize)
+        out["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - the test records what each rank raised
+        out["raised"] = (type(exc).__name__, str(exc))
+    out["unchanged_after_error"] = all(torch.equal(full(p), b) for p, b in zip(model.parameters(), before))
+    out["no_grads"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+def test_fully_sharded_ranks_skip_and_fail_together(tmp_path):
+    results = run_world(_faults, timeout=120, out_dir=tmp_path)
+    for rank, res in enumerate(results):
+        assert res["skipped"] and res["warned"] and res["unchanged_after_skip"], (rank, res)
+        assert res["unchanged_after_error"] and res["no_grads"], (rank, res)
+    assert results[1]["raised"][0] == "ValueError"
+    assert results[0]["raised"][0] == "PeerFailed" and "rank 1 raised before its first micro-batch" in \
+        results[0]["raised"][1]
+
+
+def _refusals(rank):
+    model, loss_fn, normalize = case("tokens")
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = rows_of(data("tokens"), rank)
+    out = {}
+    for name, kw in {"auto": {"micro_batch_size": "auto", "memory_budget": 2**30},
+                     "scaler": {"micro_batch_size": M, "scaler": torch.amp.GradScaler("cpu")}}.items():
+        try:
+            mbs_ext.step(model, opt, batch, loss_fn, normalize=normalize, **kw)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_fully_sharded_refusals_name_what_works(tmp_path):
+    for res in run_world(_refusals, timeout=90, out_dir=tmp_path):
+        assert "pass an int" in res["auto"], res
+        assert "MixedPrecisionPolicy" in res["scaler"], res
