@@ -5,7 +5,8 @@ rank 1 runs one zero-weight micro-batch so that FSDP's all-gathers and reduce-sc
 pair up). Two AdamW steps in float64 equal two single-process steps on all 17 rows to
 1e-12, with token counts and with sample counts, reduce-scattering every micro-batch
 (``fsdp_accumulate="sharded"``) or once at the end (``"unsharded"``), eagerly and under
-``torch.compile``; float32 to 1e-6; clipping by the global norm; a non-finite loss on one
+``torch.compile``; float32 to 1e-6; bf16 compute with float32 reduction (FSDP's
+``MixedPrecisionPolicy``) to bf16 precision; clipping by the global norm; a non-finite loss on one
 rank skips the step on both; a batch refused on one rank makes both raise; FSDP's own
 reduction settings come back after each step. Every case runs under the harness's watchdog.
 """
@@ -66,14 +67,16 @@ def case(kind, dtype=torch.float64):
     return MLP().to(dtype), mse, "samples"
 
 
-def shard(model):
+def shard(model, bf16=False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw = {"mp_policy": mp} if mp is not None else {}
     for child in model.children():
-        fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(child, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -87,9 +90,9 @@ def _settings(model):
             for g in m._get_fsdp_state()._fsdp_param_groups]
 
 
-def _train(rank, kind, mode, compiled, dtype=torch.float64, max_grad_norm=None):
+def _train(rank, kind, mode, compiled, dtype=torch.float64, max_grad_norm=None, bf16=False):
     model, loss_fn, normalize = case(kind, dtype)
-    shard(model)
+    shard(model, bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepped = torch.compile(model, backend=COMPILE_BACKEND) if compiled else model
     before = _settings(model)
@@ -111,6 +114,7 @@ def _exact_cases(rank):
     out = {c: _train(rank, *c) for c in EXACT}
     out["float32"] = _train(rank, "samples", "sharded", False, dtype=torch.float32)
     out["clipped"] = _train(rank, "tokens", "sharded", False, max_grad_norm=0.05)
+    out["bf16"] = _train(rank, "samples", "sharded", False, dtype=torch.float32, bf16=True)
     return out
 
 
@@ -152,6 +156,16 @@ def test_fully_sharded_float32(fsdp_results):
     for res in fsdp_results:
         for p, q in zip(res["float32"]["params"], ref):
             assert rel_err(p, q) <= 1e-6
+
+
+def test_fully_sharded_bf16_compute_with_float32_reduction(fsdp_results):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32): the forward and backward in
+    bf16, gradients reduced and kept in float32; the step equals the float32 one to bf16 precision."""
+    ref, ref_losses, _ = reference("samples", torch.float32)
+    for res in fsdp_results:
+        assert res["bf16"]["losses"] == pytest.approx(ref_losses, rel=2e-2)
+        for p, q in zip(res["bf16"]["params"], ref):
+            assert p.dtype == torch.float32 and rel_err(p, q) <= 1e-2
 
 
 def test_fully_sharded_clips_by_the_global_norm(fsdp_results):
