@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -133,6 +134,20 @@ def _as_found_inf(found_inf: torch.Tensor | None, device: torch.device) -> torch
     return found_inf
 
 
+def _refuse_dtensors(*groups: Any) -> None:
+    """DTensors (FSDP2's sharded gradients) have no sharding rule for the op: refused with the
+    fix, instead of the dispatcher's error about shared memory."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is None:
+        return
+    for name, group in zip(("accumulators", "grads", "found_inf"), groups):
+        items = group if isinstance(group, list) else [group]
+        if any(isinstance(t, dtensor) for t in items):
+            raise TypeError(f"{name} holds DTensors (sharded, e.g. FSDP2 gradients), which scale_accumulate_ does "
+                            "not take: pass their local shards ([t.to_local() for t in ...]), which it adds "
+                            "shard by shard")
+
+
 def scale_accumulate_(
     accumulators: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -156,6 +171,7 @@ def scale_accumulate_(
     """
     accumulators = _as_list("accumulators", accumulators)
     grads = _as_list("grads", grads)
+    _refuse_dtensors(accumulators, grads, found_inf)
     grad_mode = torch.is_grad_enabled()
     traced = torch.compiler.is_compiling() or any(
         isinstance(t, FakeTensor) for t in (found_inf, *accumulators[:1], *grads[:1])

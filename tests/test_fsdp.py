@@ -239,3 +239,23 @@ def test_fully_sharded_refusals_name_what_works(tmp_path):
     for res in run_world(_refusals, timeout=90, out_dir=tmp_path):
         assert "pass an int" in res["auto"], res
         assert "MixedPrecisionPolicy" in res["scaler"], res
+
+
+def _fused_op_on_shards(rank):
+    model, loss_fn, normalize = case("samples")
+    shard(model)
+    mse(model, rows_of(data("samples"), rank)).backward()
+    grads = [p.grad for p in model.parameters()]
+    accs = [torch.zeros_like(g.to_local()) for g in grads]
+    try:
+        mbs_ext.scale_accumulate_([torch.zeros_like(g) for g in grads], grads, 2.0)
+        refused = None
+    except TypeError as exc:
+        refused = str(exc)
+    mbs_ext.scale_accumulate_(accs, [g.to_local() for g in grads], 2.0)  # what the message says works
+    return {"refused": refused, "added": all(torch.equal(a, 2.0 * g.to_local()) for a, g in zip(accs, grads))}
+
+
+def test_fused_op_refuses_dtensors_and_takes_their_shards(tmp_path):
+    for res in run_world(_fused_op_on_shards, timeout=60, out_dir=tmp_path):
+        assert res["refused"] and "to_local()" in res["refused"] and res["added"], res
