@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import CUDA, DEVICE_PARAMS, requires_cuda
+from common import CUDA, DEVICE_PARAMS, requires_cuda
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bit_identical, failing_at, rel_err, snapshot, token_count
+from common import assert_bit_identical, failing_at, rel_err, snapshot, token_count
 from torch import nn
 
 import mbs_ext
@@ -61,7 +61,7 @@ def test_accumulate_then_optimizer_step_equals_step(device):
 
 
 def test_token_counts_and_replacing_old_grads(device):
-    from helpers import TinyLM, lm_loss
+    from common import TinyLM, lm_loss
 
     torch.manual_seed(0)
     model = TinyLM().double().to(device)

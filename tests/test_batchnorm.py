@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import rel_err, to_f64
+from common import rel_err, to_f64
 from torch import nn
 
 import mbs_ext

@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
+from common import run_python
 
 import mbs_ext
 from mbs_ext import MicroBatchPlan
 from mbs_ext.apps import demo, table, table_gpu
 from mbs_ext.apps.cli import PROG, main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run_module(*code: str, cwd) -> subprocess.CompletedProcess:
-    """``python -c CODE`` in a fresh interpreter that imports this checkout's mbs_ext."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
-        [sys.executable, "-c", "\n".join(code)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
-    )
 
 
 def test_demo_trains_and_matches_full_batch(tmp_path, capsys):
@@ -50,7 +39,7 @@ def test_demo_trains_and_matches_full_batch(tmp_path, capsys):
 
 
 def test_info_prints_build_info():
-    out = subprocess.run([sys.executable, "-m", "mbs_ext", "info"], capture_output=True, text=True, check=True)
+    out = run_python(["-m", "mbs_ext", "info"], timeout=120)
     assert json.loads(out.stdout) == mbs_ext.build_info()
 
 
@@ -105,7 +94,7 @@ def test_help_lists_the_commands_under_one_program_name(monkeypatch, capsys):
         assert re.search(rf"^\s+{command}\s+\S", text, re.M), f"{command} is not listed:\n{text}"
     assert f"{PROG} COMMAND --help" in " ".join(text.split())
     # The same name through `python -m mbs_ext`, not "__main__.py".
-    proc = subprocess.run([sys.executable, "-m", "mbs_ext", "--help"], capture_output=True, text=True, check=True)
+    proc = run_python(["-m", "mbs_ext", "--help"], timeout=120)
     assert proc.stdout == text
 
 
@@ -187,13 +176,13 @@ def test_a_budget_too_small_for_the_model_is_a_usage_error(tmp_path, capsys):
 
 def test_table_without_scikit_learn_says_what_to_install(tmp_path):
     out = tmp_path / "table"
-    proc = _run_module(
+    code = "\n".join([
         "import runpy, sys",
         "sys.modules['sklearn'] = None  # importing sklearn now fails, as if it were not installed",
         f"sys.argv = ['mbs_ext', 'table', '--out', {str(out)!r}, '--sizes', '16']",
         "runpy.run_module('mbs_ext', run_name='__main__', alter_sys=True)",
-        cwd=tmp_path,
-    )
+    ])
+    proc = run_python(code, cwd=tmp_path, timeout=120, check=False)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == (
         f"{PROG} table needs scikit-learn, which is not installed: "

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import balanced_sizes
+from common import balanced_sizes
 from torch import nn
 
 from mbs_ext import backoff, batch, finish, normalize, options, ranks, ring

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import ScalarReads, TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from ddp_harness import WORLD, WorldFailed, run_world
-from helpers import ScalarReads, TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from common import TinyLM, lm_loss, rel_err, token_count
 from ddp_harness import WORLD, run_world
-from helpers import TinyLM, lm_loss, rel_err, token_count
 from torch import nn
 
 import mbs_ext

@@ -17,17 +17,13 @@ and skips when Accelerate is accumulating; ``accumulate`` leaves scaled gradient
 Checked: 1 and 3 steps (AdamW, a linear schedule, clipping) over 23 rows at micro-batch 4
 equal the same Accelerate loop on the whole batch to 1e-10, with the same losses; a GradScaler
 stepped by the prepared optimizer is updated once per step; and two gloo ranks (10 and 7 rows,
-token-count normalization) equal one process on all 17 rows. The two ranks are subprocesses
-under a timeout, each with a faulthandler watchdog: a hang fails with every rank's stacks.
+token-count normalization) equal one process on all 17 rows. The two ranks run under
+``tests/ddp_harness.py``: a hang or a crash fails with every rank's Python stacks.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -225,11 +221,13 @@ DDP_STEPS = 3
 TIMEOUT_S = 150
 
 
-def _rank_main(out_dir: str) -> None:
-    """One rank: the docs' loop under DDP on the rank's own rows (10 or 7 of 17)."""
-    rank = int(os.environ["RANK"])
-    faulthandler.dump_traceback_later(TIMEOUT_S - 30, exit=True)  # a hang dies with its stacks
-    torch.set_num_threads(1)
+def _rank_loop(rank: int) -> dict:
+    """One rank: the docs' loop under DDP on the rank's own rows (10 or 7 of 17). The harness has
+    set up the gloo group; Accelerate finds it through the launcher's variables."""
+    from ddp_harness import HOST
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(RANK_ROWS)),
+                      LOCAL_WORLD_SIZE=str(len(RANK_ROWS)), MASTER_ADDR=HOST, MASTER_PORT="0")
     # The scheduler steps once per optimizer step, as in one process (by default Accelerate
     # steps it once per process, assuming the global batch grew with the processes).
     acc = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
@@ -240,43 +238,14 @@ def _rank_main(out_dir: str) -> None:
     params, losses, seen, _ = train(acc, [local] * DDP_STEPS, DDP_STEPS, streamed=True)
     assert seen <= M
     logged = [float(acc.gather(torch.tensor([x], dtype=torch.float64)).mean()) for x in losses]
-    torch.save({"params": params, "losses": losses, "logged": logged}, os.path.join(out_dir, f"rank{rank}.pt"))
     acc.wait_for_everyone()
-    faulthandler.cancel_dump_traceback_later()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo threads can outlive the group; do not let finalization abort after the work
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {"params": params, "losses": losses, "logged": logged}
 
 
 def test_two_gloo_ranks_equal_one_process(fresh_state, tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "rank", str(tmp_path)],
-                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outputs.append(p.communicate()[0])
-            pytest.fail("ranks hung:\n" + "\n".join(outputs))
-    if any(p.returncode != 0 for p in procs):
-        pytest.fail("a rank failed:\n" + "\n----\n".join(f"rc={p.returncode}\n{o}" for p, o in zip(procs, outputs)))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    from ddp_harness import run_world
+
+    ranks = run_world(_rank_loop, world=len(RANK_ROWS), timeout=TIMEOUT_S, out_dir=tmp_path / "world")
 
     # The reference: one process, no DDP, the 17 rows as one batch.
     _reset_accelerate()
@@ -286,7 +255,3 @@ def test_two_gloo_ranks_equal_one_process(fresh_state, tmp_path):
         assert_close(r["params"], ref)
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-12)  # the global loss on every rank
         assert r["logged"] == pytest.approx(ref_losses, rel=1e-12)  # and its mean over ranks
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "rank":
-    _rank_main(sys.argv[2])

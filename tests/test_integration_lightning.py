@@ -2,22 +2,18 @@
 ``Trainer(strategy=StreamingStrategy(micro_batch_size=m))`` takes the same steps as a plain
 Trainer on the whole batch (float64, to 1e-10): one SGD step, three AdamW steps with a
 scheduler and a logger, BatchNorm statistics, gradient clipping, and two gloo ranks with
-unequal rows and token-count normalization (a real 2-process run under a watchdog).
-
-The file is also the 2-process child: ``python test_integration_lightning.py --ddp-child OUT``.
+unequal rows and token-count normalization (a real 2-process run under ``tests/ddp_harness.py``:
+a hang or a crash fails with every rank's Python stacks).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from common import run_python
 from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -27,7 +23,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from mbs_ext.integrations.lightning import StreamingStrategy  # noqa: E402
 
 TOL = 1e-10
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- a LightningModule as Lightning's docs write one ------------------------------------------
@@ -235,24 +230,21 @@ def test_refusals():
 
 def test_import_mbs_ext_does_not_import_lightning():
     code = "import sys, mbs_ext, mbs_ext.integrations; assert 'lightning' not in sys.modules, 'lightning imported'"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    run_python(code, timeout=60)
 
 
 # -- two gloo ranks --------------------------------------------------------------------------------
 RANK_ROWS = [(0, 10), (10, 17)]  # 10 and 7 rows: 3 and 2 micro-batches at size 4
-CHILD_WATCHDOG_S = 90
+WORLD_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ddp_rank(rank: int) -> dict:
+    """One rank, as Lightning's DDP runs it when a launcher started the processes (LOCAL_RANK set):
+    the harness has set up the gloo group, which Lightning finds initialised and keeps."""
+    from ddp_harness import HOST
 
-
-def _ddp_child(out: str) -> None:
-    faulthandler.dump_traceback_later(CHILD_WATCHDOG_S, exit=True)  # stacks, not a hang
-    rank = int(os.environ["LOCAL_RANK"])
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(RANK_ROWS)), NODE_RANK="0",
+                      MASTER_ADDR=HOST, MASTER_PORT="0")
     lo, hi = RANK_ROWS[rank]
     data = [t[lo:hi] for t in token_data()]
     module = TokenModel()
@@ -262,35 +254,21 @@ def _ddp_child(out: str) -> None:
                          enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(module, DataLoader(TensorDataset(*data), batch_size=hi - lo, shuffle=False))
     result = trainer.strategy.last_result
-    torch.save({"state": module.state_dict(), "global_loss": result.loss, "num_micro_batches": result.num_micro_batches,
-                "logged": trainer.callback_metrics["train_loss"].item()}, os.path.join(out, f"rank{rank}.pt"))
+    return {"state": module.state_dict(), "global_loss": result.loss, "num_micro_batches": result.num_micro_batches,
+            "logged": trainer.callback_metrics["train_loss"].item(), "world": trainer.world_size}
 
 
 def test_two_gloo_ranks_token_normalization_equals_single_process_full_batch(tmp_path):
-    port = _free_port()
-    env_base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ddp-child", str(tmp_path)],
-                              env=dict(env_base, LOCAL_RANK=str(r), RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=CHILD_WATCHDOG_S + 30)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outputs = [p.communicate()[0] for p in procs]
-        pytest.fail("2-process run hung:\n" + "\n---\n".join(o[-4000:] for o in outputs))
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed (rc {p.returncode}):\n{outputs[r][-6000:]}"
+    from ddp_harness import run_world
 
+    ranks = run_world(_ddp_rank, world=len(RANK_ROWS), timeout=WORLD_TIMEOUT_S, out_dir=tmp_path / "world")
     data = token_data()
     ref = TokenModel()
     t_ref = fit(ref, data, 17)
     full_loss = t_ref.callback_metrics["train_loss"].item()
     for r, (lo, hi) in enumerate(RANK_ROWS):
-        got = torch.load(tmp_path / f"rank{r}.pt")
+        got = ranks[r]
+        assert got["world"] == 2
         assert got["num_micro_batches"] == [3, 2][r]
         diff = max((got["state"][k] - v).abs().max().item() for k, v in ref.state_dict().items())
         assert diff < TOL, f"rank {r}: {diff}"
@@ -300,7 +278,3 @@ def test_two_gloo_ranks_token_normalization_equals_single_process_full_batch(tmp
         with torch.no_grad():
             own = ((TokenModel().double().net(x).squeeze(-1) - y) ** 2 * mask).sum() / mask.sum()
         assert abs(got["logged"] - own.item()) < TOL
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--ddp-child":
-    _ddp_child(sys.argv[2])

@@ -234,11 +234,10 @@ def test_trainer_options_refused(tmp_path):
 
 
 def test_import_mbs_ext_does_not_import_transformers():
-    import subprocess
-    import sys
+    from common import run_python
 
     code = "import sys, mbs_ext, mbs_ext.integrations; assert 'transformers' not in sys.modules, 'imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run_python(code, timeout=120)
 
 
 

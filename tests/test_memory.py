@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_models_match, full_batch_step, snapshot
+from common import assert_models_match, full_batch_step, snapshot
 from torch import nn
 from torch.overrides import TorchFunctionMode
 

@@ -12,14 +12,13 @@ out-of-memory back-off (it would warn) and at most two verification probes at fu
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from common import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "bench_planner.py"
 MiB = 1 << 20
 
@@ -43,9 +42,7 @@ def _child_env() -> dict[str, str]:
 
 def _run(case: tuple[str, int], env: dict[str, str]) -> dict:
     name, budget = case
-    cmd = [sys.executable, str(BENCH), "--case", name, str(budget), "cpu", str(ROWS)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WATCHDOG_S, cwd=ROOT)
-    assert done.returncode == 0, f"{name} {budget} MiB: child failed\n{done.stderr[-3000:]}"
+    done = run_python([BENCH, "--case", name, str(budget), "cpu", str(ROWS)], env=env, timeout=WATCHDOG_S, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -18,8 +18,8 @@ import time
 
 import pytest
 import torch
+from common import TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from ddp_harness import run_world
-from helpers import TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mbs_ext

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bit_identical, assert_states_match, balanced_ranges, scaler_for, snapshot
+from common import assert_bit_identical, assert_states_match, balanced_ranges, scaler_for, snapshot
 from torch import nn
 
 import mbs_ext

@@ -5,18 +5,15 @@ handed-out tensors, input validation, and (with a GPU) the CUDA copy path."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
+from common import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mbs_ext
 from mbs_ext import StreamRing
 from mbs_ext.diagnostics import native as _C
 from mbs_ext.diagnostics import os_threads
@@ -640,10 +637,7 @@ def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing(tmp_path)
     # again once memory is back.
     script = tmp_path / "child.py"
     script.write_text(_OOM_CHILD)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(mbs_ext.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_python([script], timeout=600)
     assert "kept" in proc.stdout
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from common import TESTS, run_python
 
 import mbs_ext
 
@@ -297,12 +298,8 @@ def test_bad_arguments_never_crash_the_process(device):
     """Every bad call, through the Python API and straight through torch.ops (the C++ checks
     alone, raising from inside the kernels), in a child process: a crash there fails this
     test with the name of the case instead of killing the test run."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = _CRASH_CANARY.format(tests=str(Path(__file__).parent), device=device)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    code = _CRASH_CANARY.format(tests=str(TESTS), device=device)
+    proc = run_python(code, timeout=300, check=False)  # judged here: the last case started names a crash
     last = proc.stdout.strip().splitlines()[-1:] if proc.returncode < 0 else []
     assert proc.returncode == 0, (
         f"exit {proc.returncode} (a negative code is a signal; last case started: {last})\n"

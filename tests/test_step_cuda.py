@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from common import (
+    TESTS,
     assert_bit_identical,
     assert_models_match,
     assert_states_match,
@@ -31,6 +29,7 @@ from helpers import (
     reference_model,
     rel_err,
     requires_cuda,
+    run_python,
     snapshot,
     to_f64,
 )
@@ -295,13 +294,7 @@ def test_out_of_memory_back_off_under_a_real_cap_stays_exact(mode, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
     out = tmp_path / "out.pt"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(mbs_ext.__file__)))
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([repo, tests, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script), str(out), mode], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_python([script, out, mode], path=[TESTS], timeout=600)
     got = torch.load(out)
     first, second = got["steps"]
 

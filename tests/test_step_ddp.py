@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from common import DEVICE_PARAMS, PoisonGrad, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
 from ddp_harness import WORLD, run_world
-from helpers import DEVICE_PARAMS, PoisonGrad, TinyLM, full_batch_step, lm_loss, rel_err, to_f64, token_count
 from torch import nn
 
 import mbs_ext

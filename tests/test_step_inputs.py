@@ -1,6 +1,7 @@
-"""The usual mistakes get errors that name the fix, raised before anything changes;
-gradients come out shaped like their parameters and holding only their own bytes;
-weighted (float) counts are exact.
+"""Inputs to mbs_ext.step: the usual mistakes get errors that name the fix, raised before
+anything changes, and so does every bad argument; nested batch structures and ``indices``
+are exact; gradients come out shaped like their parameters and holding only their own
+bytes; weighted (float) counts are exact.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bit_identical, assert_models_match, full_batch_step, snapshot
+from common import assert_bit_identical, assert_models_match, full_batch_step, mlp, mse, pair, snapshot, twins
 from torch import nn
 
 import mbs_ext
@@ -185,3 +186,144 @@ def test_every_grad_owns_only_its_own_bytes():
     for name, p in model.named_parameters():
         g = p.grad
         assert g.untyped_storage().nbytes() == g.numel() * g.element_size(), name
+
+
+# --- batch structures and indices -------------------------------------------------------------
+
+
+class DictModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(2, 3)
+
+    def forward(self, batch):
+        assert batch["tag"] == "keep-me"
+        x1, x2 = batch["inputs"]["pair"]
+        return self.a(x1) * batch["inputs"]["scale"][:, None] + self.b(x2)
+
+
+def dict_loss(model, batch):
+    return F.mse_loss(model(batch), batch["target"])
+
+
+def test_nested_dict_batch(device):
+    torch.manual_seed(0)
+    model, opt, ref, ropt = twins(DictModel().double(), device=device)
+    g = torch.Generator().manual_seed(3)
+    n = 11
+    batch = {
+        "inputs": {
+            "pair": (torch.randn(n, 4, generator=g, dtype=torch.float64),
+                     torch.randn(n, 2, generator=g, dtype=torch.float64)),
+            "scale": torch.rand(n, generator=g, dtype=torch.float64),
+        },
+        "target": torch.randn(n, 3, generator=g, dtype=torch.float64),
+        "tag": "keep-me",
+    }
+    mbs_ext.step(model, opt, batch, dict_loss, micro_batch_size=3)
+    full_batch_step(ref, ropt, batch, dict_loss)
+    assert_models_match(model, ref, 1e-12)
+
+
+def test_indices_select_rows_of_a_dataset(device):
+    model, opt, ref, ropt = twins(mlp(), device=device)
+    dataset = pair(30)
+    idx = torch.tensor([29, 3, 3, 17, 0, 8, 21, 5, 12, 12, 1], dtype=torch.int64)
+    res = mbs_ext.step(model, opt, dataset, mse, micro_batch_size=4, indices=idx)
+    full_batch_step(ref, ropt, (dataset[0][idx], dataset[1][idx]), mse)
+    assert_models_match(model, ref, 1e-12)
+    assert res.num_samples == 11
+
+
+# --- bad input: refused before anything changes -----------------------------------------------
+
+
+def _bad(kind, device):
+    model = mlp().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = pair(6)
+    kw = {"micro_batch_size": 2}
+    loss_fn = mse
+    if kind == "model":
+        model = "not a module"
+    elif kind == "optimizer":
+        opt = object()
+    elif kind == "foreign_optimizer":
+        opt = torch.optim.SGD(mlp().to(device).parameters(), lr=0.1)
+    elif kind == "no_trainable":
+        model.requires_grad_(False)
+    elif kind == "empty_batch":
+        batch = pair(0)
+    elif kind == "mismatched":
+        batch = (torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64))
+    elif kind == "no_tensor":
+        batch = {"a": [1, 2], "b": "x"}
+    elif kind.startswith("mbs_"):
+        kw["micro_batch_size"] = {"mbs_0": 0, "mbs_neg": -2, "mbs_float": 2.0, "mbs_bool": True,
+                                  "mbs_str": "big", "mbs_auto": "auto"}[kind]
+    elif kind == "loss_not_callable":
+        loss_fn = 3
+    elif kind == "loss_non_tensor":
+        loss_fn = lambda m, b: 1.0  # noqa: E731
+    elif kind == "loss_non_scalar":
+        loss_fn = lambda m, b: (m(b[0]) - b[1]).pow(2).mean(0)  # noqa: E731
+    elif kind == "loss_no_grad":
+        loss_fn = lambda m, b: mse(m, b).detach()  # noqa: E731
+    elif kind == "loss_other_device":
+        loss_fn = lambda m, b: mse(m, b).to("meta")  # noqa: E731
+    elif kind == "nn_loss_non_pair":
+        loss_fn = nn.MSELoss()
+        batch = {"x": batch[0]}
+    elif kind == "normalize":
+        kw["normalize"] = "tokens"
+    elif kind == "indices_float":
+        kw["indices"] = torch.tensor([0.0, 1.0])
+    elif kind == "indices_2d":
+        kw["indices"] = torch.zeros(2, 2, dtype=torch.int64)
+    elif kind == "indices_range":
+        kw["indices"] = torch.tensor([0, 6])
+    elif kind == "indices_empty":
+        kw["indices"] = torch.zeros(0, dtype=torch.int64)
+    elif kind == "scaler":
+        kw["scaler"] = "fp16"
+    elif kind == "autocast_dtype":
+        kw["autocast_dtype"] = torch.int32
+    elif kind == "accumulate_dtype":
+        kw["accumulate_dtype"] = torch.int64
+    elif kind == "max_grad_norm_zero":
+        kw["max_grad_norm"] = 0.0
+    elif kind == "max_grad_norm_nan":
+        kw["max_grad_norm"] = float("nan")
+    elif kind == "on_nonfinite":
+        kw["on_nonfinite"] = "ignore"
+    return model, opt, batch, loss_fn, kw
+
+
+BAD = {
+    "model": "model", "optimizer": "optimizer", "foreign_optimizer": "optimizer",
+    "no_trainable": "trainable", "empty_batch": "empty", "mismatched": "dim-0", "no_tensor": "batch",
+    "mbs_0": "micro_batch_size", "mbs_neg": "micro_batch_size", "mbs_float": "micro_batch_size",
+    "mbs_bool": "micro_batch_size", "mbs_str": "micro_batch_size", "mbs_auto": "memory_budget",
+    "loss_not_callable": "loss_fn", "loss_non_tensor": "loss_fn", "loss_non_scalar": "loss_fn",
+    "loss_no_grad": "loss_fn", "loss_other_device": "loss_fn", "nn_loss_non_pair": "loss_fn",
+    "normalize": "normalize", "indices_float": "indices", "indices_2d": "indices",
+    "indices_range": "indices", "indices_empty": "indices", "scaler": "scaler",
+    "autocast_dtype": "autocast_dtype", "accumulate_dtype": "accumulate_dtype",
+    "max_grad_norm_zero": "max_grad_norm", "max_grad_norm_nan": "max_grad_norm",
+    "on_nonfinite": "on_nonfinite",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_input(kind, device):
+    if kind == "mbs_auto" and device != "cpu":
+        pytest.skip("'auto' needs no memory_budget on CUDA (tested in test_step_cuda.py)")
+    model, opt, batch, loss_fn, kw = _bad(kind, device)
+    valid = isinstance(model, nn.Module) and isinstance(opt, torch.optim.Optimizer)
+    before = snapshot(model, opt) if valid else None
+    with pytest.raises((TypeError, ValueError), match=BAD[kind]):
+        mbs_ext.step(model, opt, batch, loss_fn, **kw)
+    if before is not None:
+        assert_bit_identical(snapshot(model, opt), before)
+        assert all(p.grad is None for p in model.parameters())

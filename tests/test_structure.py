@@ -7,11 +7,11 @@ so a cycle hidden behind a lazy import inside a function is caught too.
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from common import run_python
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mbs_ext"
 
@@ -88,8 +88,7 @@ def test_every_module_imports_alone():
     modules = sorted(m for m in graph if m != "mbs_ext.__main__")
     # The native module and the op registrations stay loaded: torch keeps op registrations
     # for the process, so executing them twice would test torch, not the import graph.
-    proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=PACKAGE.parent, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python(["-c", code, *modules], cwd=PACKAGE.parent, timeout=300)
 
 
 ROOT = PACKAGE.parent
@@ -127,6 +126,8 @@ def test_public_line(where):
 
     public = {"mbs_ext", "mbs_ext.diagnostics"}
     assert set(mbs_ext.__all__) >= {"step", "MicroBatchStreamer", "StepOptions", "StreamRing"}
+    missing = [rel for rel in COMPONENT_TESTS if not (ROOT / rel).is_file()]
+    assert not missing, f"COMPONENT_TESTS names files that do not exist (renamed?): {missing}"
     for path in sorted((ROOT / where).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         allowed = public | COMPONENT_TESTS.get(rel, set())

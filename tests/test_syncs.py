@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ScalarReads, TinyLM, lm_loss, token_count
+from common import ScalarReads, TinyLM, lm_loss, token_count
 
 import mbs_ext
 

@@ -1,14 +1,26 @@
-"""Shared reference implementations, comparisons and devices for the step tests.
+"""What the tests share: the one CUDA flag and device parameters, the float64 host
+references and comparisons, small models, losses and data, and the one child-process runner.
 
 The reference for a streamed step on any device is an ordinary full-batch step of a
 float64 copy of the model on the host (:func:`reference_model`, :func:`to_f64`), so a
 CUDA result is checked against something computed independently of CUDA and of the
 micro-batch split.
+
+A test that needs a fresh interpreter runs it through :func:`run_python` (this checkout
+importable, output captured, a timeout or a failure shown with the child's output and
+its Python stacks); one that needs several ranks of a gloo world uses
+``ddp_harness.run_world``.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +31,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mbs_ext
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose mbs_ext is tested
+TESTS = ROOT / "tests"
 
 CUDA = torch.cuda.is_available() and bool(mbs_ext.build_info()["cuda_compiled"])
 
@@ -228,3 +243,104 @@ class ScalarReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+# --- the step tests' small regression model and data ------------------------------------------
+
+
+def mlp(dtype=torch.float64, seed=0, d_in=5, d_out=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out)).to(dtype)
+
+
+def mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def pair(n, dtype=torch.float64, seed=1, d_in=5, d_out=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g, dtype=dtype), torch.randn(n, d_out, generator=g, dtype=dtype)
+
+
+def twins(model, opt_cls=torch.optim.Adam, *, device="cpu", **opt_kw):
+    """The model moved to ``device`` with its optimizer, and a float64 host reference with its own."""
+    ref = reference_model(model)
+    model = model.to(device)
+    opt_kw = opt_kw or {"lr": 1e-2}
+    return model, opt_cls(model.parameters(), **opt_kw), ref, opt_cls(ref.parameters(), **opt_kw)
+
+
+class Boom(Exception):
+    """An injected failure no library raises."""
+
+
+# --- child processes ----------------------------------------------------------------------------
+
+_TAIL = 6000  # characters of each output stream a failure shows
+
+
+def _failure(what: str, argv: list[str], out: str | bytes | None, err: str | bytes | None) -> str:
+    def tail(s: str | bytes | None) -> str:
+        s = s.decode(errors="replace") if isinstance(s, bytes) else (s or "")
+        return s if len(s) <= _TAIL else "..." + s[-_TAIL:]
+
+    shown = " ".join(argv[1:]).replace("\n", "; ")
+    shown = shown if len(shown) <= 300 else shown[:300] + "..."
+    return f"child `python {shown}` {what}\n--- stdout ---\n{tail(out)}\n--- stderr ---\n{tail(err)}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own process group
+    except ProcessLookupError:
+        pass
+
+
+def run_python(args_or_code: str | Sequence[str | os.PathLike], *, timeout: float,
+               env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+               check: bool = True, path: Sequence[str | os.PathLike] = ()) -> subprocess.CompletedProcess:
+    """Run a fresh interpreter: ``python -c CODE`` for a string, ``python *ARGS`` for a sequence
+    (a script and its arguments, or ``["-m", module, ...]``); text output captured.
+
+    ``env`` is the child's whole environment (this process's by default); the checkout's root,
+    then ``path``, go first on its ``PYTHONPATH``, so the child imports the mbs_ext under test.
+
+    Nothing here can leave a test stuck or fail it mutely: a child still running after
+    ``timeout`` seconds is sent SIGABRT (``PYTHONFAULTHANDLER`` is set, so it prints its Python
+    stacks), then killed with its process group, and the test fails showing its output; with
+    ``check`` (the default) a non-zero exit fails the test showing its output. With
+    ``check=False`` the caller judges ``returncode`` itself.
+    """
+    __tracebackhide__ = True  # a failure points at the test's call, not in here
+    code = isinstance(args_or_code, str)
+    argv = [sys.executable, "-c", args_or_code] if code else [sys.executable, *map(str, args_or_code)]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *map(str, path), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # something else of its group holds the pipes open
+            _kill_group(proc)
+            out, err = proc.communicate()
+        _kill_group(proc)
+    except BaseException:  # an interrupt: the child is in a session of its own, so stop it here
+        _kill_group(proc)
+        proc.wait()
+        raise
+    if timed_out:
+        pytest.fail(_failure(f"timed out after {timeout:g} s (its stacks are on stderr)", argv, out, err))
+    if check and proc.returncode != 0:
+        why = f"exited with {proc.returncode}"
+        if proc.returncode < 0:
+            why += " (a signal: a native crash or a kill)"
+        pytest.fail(_failure(why, argv, out, err))
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
