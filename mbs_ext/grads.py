@@ -160,20 +160,32 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     torch's fused check covers every floating dtype except bf16 on CUDA, which falls back
     to one reduction per tensor (only reached when ``.grad`` itself is bf16).
     """
-    found = torch.zeros((), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
+    flags = []
     for (dev, dtype), gs in groups.items():
         if not (dtype == torch.bfloat16 and dev.type == "cuda"):
             flag = torch.zeros(1, dtype=torch.float32, device=dev)
-            one = torch.ones(1, dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, one)
-            bad = flag.reshape(())
+            # inv_scale 1.0: a check only (the 1.0 made once per device, not every step).
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, _one(dev))
+            flags.append(flag.reshape(()).to(device))
         else:
-            bad = (~torch.stack([torch.isfinite(g).all() for g in gs]).all()).to(torch.float32)
-        found = torch.maximum(found, bad.to(device))
-    return found
+            flags.append((~torch.stack([torch.isfinite(g).all() for g in gs]).all()).to(torch.float32).to(device))
+    if len(flags) == 1:
+        return flags[0]
+    return torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.float32, device=device)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on ``device``, made once (read-only: the unscale factor of a check)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -203,28 +203,29 @@ class _ClassTargetCount:
 
     def __call__(self, micro_batch: Any) -> Any:
         rows = self.per_row(micro_batch[1])
-        if rows is None:
-            return 1.0
+        if rows is None or isinstance(rows, int):
+            return 1.0 if rows is None else float(rows * len(micro_batch[1]))
         count = rows.sum()
-        return count.item() if count.device.type == "cpu" else count
+        return float(count.item()) if count.device.type == "cpu" else count
 
-    def per_row(self, target: torch.Tensor) -> torch.Tensor | None:
-        """Each row's part of the count, float64 on the target's device (None: a single
-        unbatched probability target, which counts 1)."""
+    def per_row(self, target: torch.Tensor) -> torch.Tensor | int | None:
+        """Each row's part of the count on the target's device: int64 targets kept, or their
+        float64 class weights; an int when every row counts the same (probability targets,
+        nothing ignored); None for a single unbatched probability target, which counts 1."""
         n = target.shape[0] if target.dim() else 0
         if target.is_floating_point():
-            if target.dim() < 2:
-                return None
-            return torch.full((n,), float(target[0].numel() // target.shape[1]), dtype=torch.float64,
-                              device=target.device)
+            return target[0].numel() // target.shape[1] if target.dim() >= 2 else None
         ignore = self.loss_fn.ignore_index
-        keep = target != (-100 if ignore is None else ignore)
+        ignore = -100 if ignore is None else ignore
         weight = self.loss_fn.weight
+        if weight is None and target.device.type == "cpu" and target.numel():
+            lo, hi = torch.aminmax(target)
+            if not int(lo) <= ignore <= int(hi):  # nothing ignored: every row counts all its targets
+                return target.numel() // n
+        keep = target != ignore
         if weight is None:
-            per_item = keep.to(torch.float64)
-        else:
-            per_item = weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep
-        return per_item.reshape(n, -1).sum(1)
+            return keep.reshape(n, -1).sum(1)
+        return (weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep).reshape(n, -1).sum(1)
 
 
 def check_loss(loss: Any, device: torch.device) -> None:

@@ -17,6 +17,7 @@ the step's one host sync (:meth:`Normalizer.check`); nothing here reads a device
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable
@@ -41,7 +42,7 @@ class Rule:
     source: str = ""  # what the rule was read from, for messages
     # For counts read from an nn loss's targets: each row's part of the count, so that the
     # counts of all micro-batches can be taken at once from host targets (counts_ahead).
-    per_row: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    per_row: Callable[[torch.Tensor], torch.Tensor | int | None] | None = None
 
     @property
     def known_ahead(self) -> bool:
@@ -84,8 +85,14 @@ def counts_ahead(rule: Rule, targets: torch.Tensor | None, indices: torch.Tensor
     rows = rule.per_row(targets if indices is None else targets.index_select(0, indices))
     if rows is None:
         return None
-    segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    counts = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, segment, rows.to(torch.float64)).tolist()
+    if isinstance(rows, int):  # every row counts the same
+        counts = [float(rows * size) for size in sizes]
+    elif rows.is_floating_point():  # class weights: each micro-batch's own sum
+        counts = torch.stack([part.sum() for part in rows.split(sizes)]).tolist()
+    else:  # whole targets: running totals at the micro-batch ends are exact
+        ends = list(itertools.accumulate(sizes))
+        running = [0, *rows.cumsum(0)[torch.tensor(ends) - 1].tolist()]
+        counts = [float(b - a) for a, b in zip(running, running[1:])]
     return [check_count(c, rule.source) for c in counts]
 
 
