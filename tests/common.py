@@ -197,6 +197,19 @@ def assert_states_match(a: dict, b: dict, tol: float) -> None:
 # --- a token-masked causal-LM-like model ---------------------------------------------------
 
 
+class MLP(nn.Module):
+    """4 -> 5 -> 2 with tanh, its forward defined here, not in torch.nn: ``torch.compile(DDP(model))``
+    skips frames of torch's own modules (DDP.forward, nn.Sequential.forward), so it would
+    compile nothing of an nn.Sequential and quietly run it eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab=11, dim=6):
         super().__init__()

@@ -25,7 +25,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import ScalarReads, TinyLM, assert_bit_identical, full_batch_step, lm_loss, rel_err, snapshot, token_count
+from common import (
+    MLP,
+    ScalarReads,
+    TinyLM,
+    assert_bit_identical,
+    full_batch_step,
+    lm_loss,
+    rel_err,
+    snapshot,
+    token_count,
+)
 from ddp_harness import WORLD, WorldFailed, run_world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,19 +67,6 @@ def lm_data(n=TOTAL_ROWS, t=6, vocab=11):
 def mlp_data(n=TOTAL_ROWS):
     g = torch.Generator().manual_seed(5)
     return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
-
-
-class MLP(nn.Module):
-    """A forward defined here, not in torch.nn: ``torch.compile(DDP(model))`` skips frames of
-    torch's own modules (DDP.forward, nn.Sequential.forward), so it would compile nothing of
-    an nn.Sequential and quietly run it eagerly."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
 
 
 def mse(model, batch):

@@ -18,9 +18,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from common import TinyLM, lm_loss, rel_err, token_count
+from common import MLP, TinyLM, lm_loss, rel_err, token_count
 from ddp_harness import WORLD, run_world
-from torch import nn
 
 import mbs_ext
 
@@ -28,15 +27,6 @@ ROWS = (10, 7)
 M = 3
 STEPS = 2
 COMPILE_BACKEND = os.environ.get("MBS_TEST_COMPILE_BACKEND", "inductor")
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
 
 
 def mse(model, batch):
