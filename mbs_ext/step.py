@@ -294,7 +294,7 @@ class _Progress:
     @property
     def retryable(self) -> bool:
         """Back off only where a smaller micro-batch helps (out of memory while streaming, not in
-        the finish), only while nothing irreversible happened, and never under DDP (ranks would
+        the finish), only while nothing irreversible happened, and never across ranks (they would
         pick different sizes)."""
         return self.streaming and not self.guard.stepping and self.ranks.group is None
 

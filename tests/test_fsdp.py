@@ -249,3 +249,45 @@ def _fused_op_on_shards(rank):
 def test_fused_op_refuses_dtensors_and_takes_their_shards(tmp_path):
     for res in run_world(_fused_op_on_shards, timeout=60, out_dir=tmp_path):
         assert res["refused"] and "to_local()" in res["refused"] and res["added"], res
+
+
+def _collectives(rank):
+    """dist.all_reduce calls and host reads (Tensor.tolist) of one warm step, at two sizes."""
+    import torch.distributed as dist
+
+    calls = {"all_reduce": 0, "tolist": 0}
+    real_all_reduce, real_tolist = dist.all_reduce, torch.Tensor.tolist
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    def counting_tolist(self):
+        calls["tolist"] += 1
+        return real_tolist(self)
+
+    model, loss_fn, normalize = case("tokens")
+    shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batch = rows_of(data("tokens"), rank)
+    out = {}
+    dist.all_reduce, torch.Tensor.tolist = counting_all_reduce, counting_tolist
+    try:
+        for m in (5, 1):  # 2 and 10 micro-batches on rank 0, 2 and 7 on rank 1
+            mbs_ext.step(model, opt, batch, loss_fn, micro_batch_size=m, normalize=normalize)  # warm
+            calls.update(all_reduce=0, tolist=0)
+            res = mbs_ext.step(model, opt, batch, loss_fn, micro_batch_size=m, normalize=normalize)
+            out[m] = dict(calls, num_micro_batches=res.num_micro_batches)
+    finally:
+        dist.all_reduce, torch.Tensor.tolist = real_all_reduce, real_tolist
+    return out
+
+
+def test_fully_sharded_step_adds_two_small_all_reduces_and_two_reads(tmp_path):
+    """Besides FSDP's own all-gathers and reduce-scatters, a step makes two small all-reduces
+    (before the first micro-batch: the count and the total; after the last: loss, flags,
+    failures) and two host reads (the agreed count, the finish), whatever the micro-batches."""
+    for rank, res in enumerate(run_world(_collectives, timeout=90, out_dir=tmp_path)):
+        assert [res[m]["num_micro_batches"] for m in (5, 1)] == [2, (10, 7)[rank]]
+        for m in (5, 1):
+            assert res[m]["all_reduce"] == 2 and res[m]["tolist"] == 2, (rank, m, res[m])
