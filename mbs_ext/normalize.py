@@ -77,9 +77,10 @@ def counts_ahead(rule: Rule, targets: torch.Tensor | None, indices: torch.Tensor
                  sizes: list[int]) -> list[float] | None:
     """Every micro-batch's count before the first one streams, when the rule reads it from
     targets on the host (their rows at ``indices`` in dataset mode; an ``nn`` loss's class
-    targets): two vectorized operations, no device work, and the step knows its total ahead
-    (no provisional denominator, nothing to rescale). None when the counts must be taken per
-    micro-batch (a user's count callable, targets on a device)."""
+    targets): a few vectorized operations (one ``aminmax`` when no target can be ignored), no
+    device work, and the step knows its total ahead (no provisional denominator, nothing to
+    rescale). None when the counts must be taken per micro-batch (a user's count callable,
+    targets on a device)."""
     if rule.per_row is None or targets is None or targets.device.type != "cpu":
         return None
     rows = rule.per_row(targets if indices is None else targets.index_select(0, indices))
