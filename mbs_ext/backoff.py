@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
-from mbs_ext.finish import caller_stacklevel
+from mbs_ext.messages import add_note, caller_stacklevel
 from mbs_ext.probe import is_out_of_memory
 
 R = TypeVar("R")
@@ -61,12 +61,9 @@ def with_backoff(
             free()
             smaller = largest_fitting(fits_at, size)
             if smaller is None:
-                if hasattr(exc, "add_note"):  # Python >= 3.11
-                    exc.add_note(
-                    "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                    "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
-                    + origin.rstrip()
-                )
+                add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
+                              "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
+                              + origin.rstrip())
                 raise exc from None
             del exc
             warnings.warn(

@@ -9,8 +9,6 @@ micro-batches. Only a step that goes wrong reads once more, to say where.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -19,6 +17,7 @@ from torch import nn
 
 from mbs_ext.gather import Agreement
 from mbs_ext.grads import AutogradSink, BufferSink
+from mbs_ext.messages import caller_stacklevel
 from mbs_ext.normalize import Normalizer
 from mbs_ext.options import StepOptions
 from mbs_ext.rollback import StepGuard
@@ -142,17 +141,6 @@ def _should_skip(loss: float, grads_bad: bool, normalizer: Normalizer, options: 
     warnings.warn(f"mbs_ext.step: {msg}; the optimizer step was skipped", RuntimeWarning,
                   stacklevel=caller_stacklevel())
     return True
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def caller_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the first frame outside mbs_ext."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _apply(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, options: StepOptions,

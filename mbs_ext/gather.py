@@ -23,6 +23,7 @@ from torch import nn
 
 from mbs_ext import normalize
 from mbs_ext.grads import AutogradSink, BufferSink, GradBuffers
+from mbs_ext.messages import add_note
 from mbs_ext.normalize import Normalizer
 from mbs_ext.ranks import Failure, PeerFailed, Ranks
 
@@ -76,46 +77,34 @@ def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch
     Under FSDP2 only a failure before the ranks agreed on their micro-batches can be shared
     (in that agreement); once streaming, FSDP's collectives run inside every forward and
     backward, and a rank that stops mid-way leaves the others waiting in them."""
-    if ranks.fsdp:
-        _join_sharded(exc, ranks, device, failure, progress.planned)
+    if ranks.fsdp and progress.planned:
+        add_note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2, whose collectives "
+                      "run inside every forward and backward: the other ranks wait in them until the process "
+                      "group times out")
         return
+    text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
     try:
-        if not progress.buffers_synced:
-            ranks.sync_buffers()
-        # 1 extra value, as gather's (the non-finite flag); then presence per parameter, then the record.
-        tail = normalize.join(ranks, device, 1, [0.0] * len(params) + ranks.failure_slots(failure))
-        bufs = GradBuffers(params, dtype)
-        bufs.all_reduce(ranks.group)
-        bufs.release()
-        slots = tail[len(params):].tolist()
+        if ranks.fsdp:  # the agreement on the micro-batches, with this rank's record; raises PeerFailed
+            ranks.agree_micro_batches(0.0, 0, device, failure)
+        else:
+            ranks.raise_failures(_join_replicated(ranks, params, device, dtype, failure, progress.buffers_synced))
+    except PeerFailed as also:
+        text += f"\n{also}"
     except Exception as join_exc:  # the process group itself failed: nothing more to do
-        _note(exc, f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a "
-                   "collective until the process group times out")
-        return
-    text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
-    try:
-        ranks.raise_failures(slots)
-    except PeerFailed as also:
-        text += f"\n{also}"
-    _note(exc, text)
+        text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
+                "until the process group times out")
+    add_note(exc, text)
 
 
-def _join_sharded(exc: Exception, ranks: Ranks, device: torch.device, failure: Failure, planned: bool) -> None:
-    if planned:
-        _note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2, whose collectives run "
-                   "inside every forward and backward: the other ranks wait in them until the process group "
-                   "times out")
-        return
-    text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
-    try:
-        ranks.agree_micro_batches(0.0, 0, device, failure)
-    except PeerFailed as also:
-        text += f"\n{also}"
-    except Exception as join_exc:  # the process group itself failed
-        text = f"mbs_ext.step: could not tell the other ranks ({join_exc!r})"
-    _note(exc, text)
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(text)
+def _join_replicated(ranks: Ranks, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
+                     failure: Failure, buffers_synced: bool) -> list[float]:
+    """DDP (or an explicit group): the buffer broadcast unless this rank got that far, zeros in
+    :func:`gather`'s collective, zero buffers in the sum; the failure record of every rank."""
+    if not buffers_synced:
+        ranks.sync_buffers()
+    # 1 extra value, as gather's (the non-finite flag); then presence per parameter, then the record.
+    tail = normalize.join(ranks, device, 1, [0.0] * len(params) + ranks.failure_slots(failure))
+    bufs = GradBuffers(params, dtype)
+    bufs.all_reduce(ranks.group)
+    bufs.release()
+    return tail[len(params):].tolist()

@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from mbs_ext._native import _C  # also loads the op registrations
+from mbs_ext.sharded import is_dtensor
 
 _OP = torch.ops.mbs_ext.scale_accumulate_
 _FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
@@ -137,12 +138,9 @@ def _as_found_inf(found_inf: torch.Tensor | None, device: torch.device) -> torch
 def _refuse_dtensors(*groups: Any) -> None:
     """DTensors (FSDP2's sharded gradients) have no sharding rule for the op: refused with the
     fix, instead of the dispatcher's error about shared memory."""
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    if dtensor is None:
-        return
     for name, group in zip(("accumulators", "grads", "found_inf"), groups):
         items = group if isinstance(group, list) else [group]
-        if any(isinstance(t, dtensor) for t in items):
+        if any(is_dtensor(t) for t in items):
             raise TypeError(f"{name} holds DTensors (sharded, e.g. FSDP2 gradients), which scale_accumulate_ does "
                             "not take: pass their local shards ([t.to_local() for t in ...]), which it adds "
                             "shard by shard")

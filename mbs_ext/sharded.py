@@ -40,9 +40,14 @@ def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
                          "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
 
 
-def dtensor_params(params: list[nn.Parameter]) -> list[nn.Parameter]:
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients)."""
     dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    return [p for p in params if dtensor is not None and isinstance(p, dtensor)]
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def dtensor_params(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    return [p for p in params if is_dtensor(p)]
 
 
 def fully_sharded(root: nn.Module, params: list[nn.Parameter]) -> tuple[tuple[nn.Module, ...], Any]:

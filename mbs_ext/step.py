@@ -37,6 +37,7 @@ from mbs_ext.batchnorm import deferring
 from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
 from mbs_ext.grads import make_sink, sink_dtype
+from mbs_ext.messages import add_note
 from mbs_ext.normalize import Normalizer, Rule, counts_ahead
 from mbs_ext.options import StepOptions, make_options
 from mbs_ext.ranks import Failure, PeerFailed, Ranks
@@ -236,7 +237,7 @@ class MicroBatchStreamer:
             if sink is not None:
                 sink.release()
             if not isinstance(exc, PeerFailed):
-                _add_note(exc, progress.where(call, m, exc))
+                add_note(exc, progress.where(call, m, exc))
             raise
         stats = ring.stats()  # totals of this step's stream
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
@@ -312,11 +313,6 @@ class _Progress:
             text += ("\nmbs_ext.step: no out-of-memory back-off across ranks (they would diverge); pass a smaller "
                      "micro_batch_size")
         return text
-
-
-def _add_note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
 
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
