@@ -20,7 +20,7 @@ from mbs_ext import sharded
 from mbs_ext.grads import LOW_PRECISION, AutogradSink, BufferSink
 from mbs_ext.normalize import Normalizer
 from mbs_ext.options import StepOptions
-from mbs_ext.ranks import Ranks
+from mbs_ext.ranks import Ranks, unwrap
 
 
 class ForwardBackward:
@@ -43,19 +43,39 @@ class ForwardBackward:
         self.num_mb = num_micro_batches
         # FSDP2: every rank runs as many micro-batches; the extra ones weigh 0 (mbs_ext.sharded).
         self.padded = num_micro_batches if padded is None else padded
-        self.index = -1  # micro-batch in progress; num_mb once all have streamed
+        self.index = -1  # micro-batch in progress (>= num_mb: a zero-weight one); padded once all ran
         self.rows = (0, 0)
         self.compute_s = 0.0
+        # FSDP2: whether the forward of the micro-batch in progress began (FSDP's collectives with
+        # it), and whether a failing rank ran the rest at zero weight so that the others' collectives
+        # pair up (then its failure is shared after the pass: mbs_ext.gather.join).
+        self.watch = sharded.forward_watch(unwrap(model)) if ranks.fsdp else None
+        self.caught_up = False
+        self._template: Any = None  # the latest micro-batch, for zero-weight ones
 
     def run(self, micro_batches: Iterator[Any]) -> None:
         """Consume ``micro_batches`` (a ring iterator: ``rows`` is each one's ``(start, stop)``)."""
         try:
+            self._stream(micro_batches)
+            for i in range(self.num_mb, self.padded):
+                self.index = i
+                self._pad(last=i == self.padded - 1)
+            self.index = self.padded
+        except Exception:
+            if self.watch is not None:
+                self.caught_up = self._catch_up()
+            raise
+
+    def _stream(self, micro_batches: Iterator[Any]) -> None:
+        try:
             for i in range(self.num_mb):
                 self.index = i
+                if self.watch is not None:
+                    self.watch.entered = False
                 mb = next(micro_batches, _END)
                 if mb is _END:
                     raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
-                self.rows = tuple(micro_batches.rows)
+                self._template, self.rows = mb, tuple(micro_batches.rows)
                 t0 = time.perf_counter()
                 self._micro_batch(mb, last=i == self.padded - 1)
                 self.compute_s += time.perf_counter() - t0
@@ -66,14 +86,35 @@ class ForwardBackward:
             close = getattr(micro_batches, "close", None)
             if close is not None and self.index < self.num_mb:
                 close()
-        for i in range(self.num_mb, self.padded):
-            self._pad(mb, last=i == self.padded - 1)
 
-    def _pad(self, mb: Any, last: bool) -> None:
-        """A zero-weight micro-batch (one row of the last real one) for FSDP's collectives."""
+    def _catch_up(self) -> bool:
+        """FSDP2, after a failure at micro-batch ``index``: if its forward had not begun, run it and
+        every later one at zero weight (FSDP's collectives as on the other ranks). False where
+        that cannot be done: the forward began, no micro-batch arrived yet, or a zero-weight one
+        failed inside the model."""
+        if self.watch.entered or self._template is None:
+            return False
+        try:
+            for i in range(self.index, self.padded):
+                self._pad(last=i == self.padded - 1, lenient=True)
+        except Exception:
+            return False
+        return True
+
+    def _pad(self, last: bool, lenient: bool = False) -> None:
+        """A zero-weight micro-batch (one row of the latest real one) for FSDP's collectives.
+        ``lenient`` (catching up after a failure): should the loss function fail once the model's
+        forward has run, the backward goes through the model's outputs instead."""
         self._gradient_sync(last)
+        self.watch.entered = False
         with sharded.padding(self.model), _loss.autocast(self.device, self.options.autocast_dtype):
-            loss = self.loss_call(self.model, sharded.one_row(mb))
+            with sharded.outputs(unwrap(self.model), keep=lenient) as seen:
+                try:
+                    loss = self.loss_call(self.model, sharded.one_row(self._template))
+                except Exception:
+                    if not seen:
+                        raise
+                    loss = sharded.zero_through(seen[-1])
         self.sink.backward(loss.float() if loss.dtype in LOW_PRECISION else loss, 0.0, self.options.scaler)
 
     def _gradient_sync(self, last: bool) -> None:

@@ -8,9 +8,13 @@ both with zeros of the same layout and raises its own error; the others read the
 failure record in the finish's one host sync and raise :class:`~mbs_ext.ranks.PeerFailed`.
 Every rank undoes the step, and no rank is left waiting in a collective.
 
+Under FSDP2, whose collectives run inside every forward and backward, a rank failing
+mid-stream first runs its remaining micro-batches at zero weight (:mod:`mbs_ext.sharded`).
+
 What this cannot cover: a rank dying outright (its peers wait until the process group
-times out, as in any collective), and a failure after this collective (casting the sums
-into ``.grad``, the optimizer step), which each rank meets alone.
+times out, as in any collective), a failure after this collective (casting the sums
+into ``.grad``, the optimizer step), which each rank meets alone, and under FSDP2 a failure
+inside a forward or backward.
 """
 
 from __future__ import annotations
@@ -74,17 +78,22 @@ def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch
     broadcast unless it got that far, zeros in :func:`gather`'s collective with its failure
     record, zero buffers of the same size in the sum. Notes on ``exc`` what the others were told.
 
-    Under FSDP2 only a failure before the ranks agreed on their micro-batches can be shared
-    (in that agreement); once streaming, FSDP's collectives run inside every forward and
-    backward, and a rank that stops mid-way leaves the others waiting in them."""
-    if ranks.fsdp and progress.planned:
-        add_note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2, whose collectives "
-                      "run inside every forward and backward: the other ranks wait in them until the process "
-                      "group times out")
+    Under FSDP2 a failure before the ranks agreed on their micro-batches rides in that
+    agreement, and one while streaming in :func:`gather`'s collective, provided the pass
+    caught up (ran the rest at zero weight: :meth:`ForwardBackward.run`). A rank that failed
+    inside a forward or backward cannot: FSDP's collectives there are half done, and the
+    others wait in them."""
+    fb = progress.fb
+    if ranks.fsdp and progress.planned and not (fb is not None and fb.caught_up):
+        add_note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2 and could not run the "
+                      "rest of FSDP's collectives (the failure came inside a forward or backward, or before any "
+                      "micro-batch arrived): the other ranks wait in them until the process group times out")
         return
     text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
     try:
-        if ranks.fsdp:  # the agreement on the micro-batches, with this rank's record; raises PeerFailed
+        if ranks.fsdp and progress.planned:  # gather's collective: 1 extra value (the non-finite flag)
+            ranks.raise_failures(normalize.join(ranks, device, 1, ranks.failure_slots(failure)).tolist())
+        elif ranks.fsdp:  # the agreement on the micro-batches, with this rank's record; raises PeerFailed
             ranks.agree_micro_batches(0.0, 0, device, failure)
         else:
             ranks.raise_failures(_join_replicated(ranks, params, device, dtype, failure, progress.buffers_synced))

@@ -12,17 +12,26 @@ is the mini-batch gradient, whether they reduce-scatter every micro-batch
 (``fsdp_accumulate="sharded"``, 1/world of the gradient memory) or once at the end
 (``"unsharded"``: full gradients accumulate locally). FSDP's own settings are restored
 after the step.
+
+A rank that fails mid-stream can still fail together with the others only if FSDP has
+not begun the failing micro-batch's collectives: a forward pre-hook ahead of FSDP's own
+(:func:`forward_watch`) tells whether the model's forward was entered. If not, the
+failing rank runs the rest of its micro-batches at zero weight, so that every
+all-gather and reduce-scatter pairs up, and shares its failure in the step's collective
+after the pass (:mod:`mbs_ext.gather`). A failure inside the forward or the backward
+leaves FSDP half-way through collectives that the failing rank cannot replay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
@@ -114,3 +123,51 @@ def padding(model: nn.Module) -> Iterator[None]:
 def one_row(micro_batch: Any) -> Any:
     """The first row of every tensor leaf (what a zero-weight micro-batch runs on)."""
     return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, micro_batch)
+
+
+class ForwardWatch:
+    """A forward pre-hook that only records that the forward began (``entered``). Installed once
+    per model, ahead of FSDP's pre-forward hook (which all-gathers), and kept: adding and
+    removing hooks every step would make ``torch.compile`` recompile. A class, not a closure,
+    so that a module carrying it still pickles."""
+
+    def __init__(self) -> None:
+        self.entered = False
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.entered = True
+
+
+_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forward_watch(root: nn.Module) -> ForwardWatch:
+    """The :class:`ForwardWatch` on ``root`` (the module the loss function calls, under its
+    wrappers), installed on first use."""
+    watch = _WATCHES.get(root)
+    if watch is None:
+        watch = _WATCHES[root] = ForwardWatch()
+        root.register_forward_pre_hook(watch, prepend=True)
+    return watch
+
+
+@contextlib.contextmanager
+def outputs(root: nn.Module, keep: bool) -> Iterator[list[Any]]:
+    """With ``keep``, the outputs of ``root``'s forwards inside the block (a hook for the block
+    only: used on the rare path of a rank catching up after a failure)."""
+    seen: list[Any] = []
+    handle = root.register_forward_hook(lambda module, args, out: seen.append(out)) if keep else None
+    try:
+        yield seen
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def zero_through(output: Any) -> torch.Tensor:
+    """A zero that depends on every floating-point leaf of ``output`` that needs a gradient, so
+    that its backward runs through the whole forward (and FSDP's collectives in it)."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise RuntimeError("the model's output has no tensor that needs a gradient")
+    return sum((t.float().sum() * 0.0 for t in leaves[1:]), leaves[0].float().sum() * 0.0)

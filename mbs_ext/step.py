@@ -290,7 +290,7 @@ class _Progress:
     @property
     def micro_batch(self) -> int:
         """The micro-batch in progress (-1 before the first)."""
-        return self.fb.index if self.fb is not None and self.fb.index < self.fb.num_mb else -1
+        return self.fb.index if self.fb is not None and self.fb.index < self.fb.padded else -1
 
     @property
     def retryable(self) -> bool:
@@ -303,8 +303,11 @@ class _Progress:
         fb = self.fb
         if fb is None or fb.index < 0:
             text = "mbs_ext.step: failed before the first micro-batch"
-        elif fb.index >= fb.num_mb:
+        elif fb.index >= fb.padded:
             text = f"mbs_ext.step: failed after all {fb.num_mb} micro-batches, while finishing the step"
+        elif fb.index >= fb.num_mb:
+            text = (f"mbs_ext.step: failed at micro-batch {fb.index}, one of zero weight that keeps FSDP's "
+                    f"collectives paired with ranks that have more")
         else:
             of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "

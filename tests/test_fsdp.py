@@ -209,6 +209,108 @@ def test_fully_sharded_ranks_skip_and_fail_together(tmp_path):
         results[0]["raised"][1]
 
 
+# name: (failing rank, the loss call that raises on it before calling the model, the error,
+# fsdp_accumulate, compiled, a later loss call that raises after the model's forward or None).
+# Rank 1 has 3 micro-batches and runs a 4th of zero weight (call 3); rank 0 has 4.
+IN_STREAM = {
+    "raise_at_0": (1, 0, ValueError, "sharded", False, None),
+    "raise_at_1": (1, 1, ValueError, "sharded", False, None),
+    "raise_at_last": (1, 2, ValueError, "sharded", False, None),
+    "raise_at_padding": (1, 3, ValueError, "sharded", False, None),
+    "oom_at_1": (1, 1, torch.OutOfMemoryError, "sharded", False, None),
+    "rank0_raise_at_last": (0, 3, ValueError, "sharded", False, None),
+    "unsharded_raise_at_1": (1, 1, ValueError, "unsharded", False, None),
+    "unsharded_raise_at_last": (1, 2, ValueError, "unsharded", False, None),
+    "compiled_raise_at_1": (1, 1, ValueError, "sharded", True, None),
+    # catching up, the zero-weight rerun of micro-batch 1 fails after the forward: its backward
+    # then runs through the model's outputs
+    "raise_at_1_and_in_catch_up": (1, 1, ValueError, "sharded", False, 2),
+}
+
+
+def _local_state(model, opt):
+    """Bit-exact copies of this rank's shards: parameters and optimizer state (a step replaces
+    ``.grad``, failed or not)."""
+    def local(t):
+        return t.to_local().clone() if hasattr(t, "to_local") else t.clone()
+    return ([local(p.detach()) for p in model.parameters()],
+            [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+             for st in opt.state.values()])
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _in_stream_faults(rank):
+    import time
+
+    out = {}
+    batch = rows_of(data("tokens"), rank)
+    for name, (bad_rank, at, exc_type, mode, compiled, again) in IN_STREAM.items():
+        model, loss_fn, normalize = case("tokens")
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepped = torch.compile(model, backend=COMPILE_BACKEND) if compiled else model
+        kw = {"micro_batch_size": M, "normalize": normalize, "fsdp_accumulate": mode}
+        mbs_ext.step(stepped, opt, batch, loss_fn, **kw)  # AdamW has state
+        calls = [0]
+
+        def failing(m, mb, calls=calls, bad_rank=bad_rank, at=at, exc_type=exc_type, again=again):
+            calls[0] += 1
+            if rank == bad_rank and calls[0] - 1 == at:
+                raise exc_type(f"injected on rank {bad_rank} at loss call {at}")
+            loss = loss_fn(m, mb)
+            if rank == bad_rank and calls[0] - 1 == again:
+                raise ValueError(f"injected on rank {bad_rank} after the forward of loss call {again}")
+            return loss
+
+        before = _local_state(model, opt)
+        t0 = time.monotonic()
+        try:
+            mbs_ext.step(stepped, opt, batch, failing, **kw)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - the test records what each rank raised
+            raised = (type(exc).__name__, str(exc), "\n".join(getattr(exc, "__notes__", [])))
+        seconds = time.monotonic() - t0
+        unchanged = _same(_local_state(model, opt), before)
+        mbs_ext.step(stepped, opt, batch, loss_fn, **kw)  # the group and FSDP's state are intact
+        out[name] = {"raised": raised, "seconds": seconds, "unchanged": unchanged,
+                     "params": [full(p).detach().clone() for p in model.parameters()]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_stream_results(tmp_path_factory):
+    return run_world(_in_stream_faults, timeout=300, out_dir=tmp_path_factory.mktemp("fsdp_faults"))
+
+
+@pytest.mark.parametrize("name", list(IN_STREAM))
+def test_fully_sharded_ranks_fail_together_mid_stream(in_stream_results, name):
+    """A rank failing at any micro-batch before its forward (or at a zero-weight one) runs the
+    rest at zero weight, so that FSDP's collectives pair up, and shares its failure after the
+    pass: every rank raises within seconds, nothing changed, and the next step is exact."""
+    bad_rank, at, exc_type, *_ = IN_STREAM[name]
+    own, peer = in_stream_results[bad_rank][name], in_stream_results[1 - bad_rank][name]
+    assert own["raised"] is not None and peer["raised"] is not None, (own, peer)
+    assert own["raised"][0] == exc_type.__name__, own["raised"]
+    assert "every rank undid the step" in own["raised"][2], own["raised"]
+    assert peer["raised"][0] == "PeerFailed", peer["raised"]
+    what = "ran out of memory" if exc_type is torch.OutOfMemoryError else "raised"
+    assert f"rank {bad_rank} {what} at micro-batch {at}" in peer["raised"][1], peer["raised"]
+    ref, _, _ = reference("tokens")  # two good steps on all 17 rows: the failed one in between did nothing
+    for res in (own, peer):
+        assert res["seconds"] < 30 and res["unchanged"], (name, res["seconds"])
+        for p, q in zip(res["params"], ref):
+            assert rel_err(p, q) <= 1e-12, (name, rel_err(p, q))
+
+
 def _refusals(rank):
     model, loss_fn, normalize = case("tokens")
     shard(model)
