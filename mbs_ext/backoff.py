@@ -3,7 +3,8 @@
 Halving after an out-of-memory error throws away up to half the micro-batch size the
 device could hold. Instead, single-micro-batch probes (:func:`mbs_ext.probe.fits`)
 bisect between 0 and the size that failed; the step is redone once, at the largest
-size found, and the caller remembers it.
+size found, and the caller remembers it. Across ranks, every rank probes on its own and
+one small all-reduce agrees on the smallest size any rank found.
 """
 
 from __future__ import annotations
@@ -42,9 +43,17 @@ def with_backoff(
     fits_at: Callable[[int], bool],
     free: Callable[[], None],
     remember: Callable[[int], None],
+    out_of_memory: Callable[[BaseException], bool] = is_out_of_memory,
+    agree: Callable[[int | None], int | None] | None = None,
 ) -> R:
-    """``attempt(size)``; on an out-of-memory error that ``retryable`` allows, probe for the
-    largest size that fits and redo it there (``remember`` keeps that size for later).
+    """``attempt(size)``; on an error that ``out_of_memory`` says a smaller size may cure and
+    ``retryable`` allows, probe for the largest size that fits and redo it there (``remember``
+    keeps that size for later).
+
+    ``agree`` (several ranks) turns this rank's finding into the one size every rank uses (None:
+    every rank raises). Every rank must take the same path, so with it ``out_of_memory`` and
+    ``retryable`` must answer alike on every rank, and it is called even where this rank found
+    nothing or its probes failed.
 
     ``attempt`` must undo its own changes before raising. The failed attempt's frames
     (and the tensors they hold) are dropped before probing; their text is kept for the
@@ -54,23 +63,35 @@ def with_backoff(
         try:
             return attempt(size)
         except BaseException as exc:
-            if size == 1 or not is_out_of_memory(exc) or not retryable(exc):
+            if not out_of_memory(exc) or not retryable(exc) or (size == 1 and agree is None):
                 raise
             origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
             exc.__traceback__ = None
             free()
-            smaller = largest_fitting(fits_at, size)
+            smaller = _found(fits_at, size, agree)
             if smaller is None:
                 add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                              "even 1 row. Where the error was raised (its frames were freed for the probes):\n"
-                              + origin.rstrip())
+                              f"even 1 row{' on some rank' if agree else ''}. Where the error was raised (its "
+                              "frames were freed for the probes):\n" + origin.rstrip())
                 raise exc from None
             del exc
             warnings.warn(
                 f"mbs_ext.step: out of memory at micro_batch_size={size}; "
-                f"redoing the step with micro_batch_size={smaller}",
+                f"redoing the step with micro_batch_size={smaller}{' on every rank' if agree else ''}",
                 RuntimeWarning,
                 stacklevel=caller_stacklevel(),
             )
             remember(smaller)
             size = smaller
+
+
+def _found(fits_at: Callable[[int], bool], size: int, agree: Callable[[int | None], int | None] | None) -> int | None:
+    """The size to redo at: this rank's largest that fits, or with ``agree`` the one all ranks agree on."""
+    if agree is None:
+        return largest_fitting(fits_at, size)
+    try:
+        mine = largest_fitting(fits_at, size) if size > 1 else None
+    except BaseException:
+        agree(None)  # the others must not wait for this rank
+        raise
+    return agree(mine)

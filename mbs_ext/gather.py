@@ -29,7 +29,7 @@ from mbs_ext import normalize
 from mbs_ext.grads import AutogradSink, BufferSink, GradBuffers
 from mbs_ext.messages import add_note
 from mbs_ext.normalize import Normalizer
-from mbs_ext.ranks import Failure, PeerFailed, Ranks
+from mbs_ext.ranks import Failure, PeerFailed, Ranks, out_of_memory_while_streaming
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,12 @@ def gather(normalizer: Normalizer, sink: AutogradSink | BufferSink, ranks: Ranks
 
 
 def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
-         failure: Failure, progress: Any) -> None:
+         failure: Failure, progress: Any) -> bool:
     """A failed rank's part in the step's collectives, after its own rollback: the buffer
     broadcast unless it got that far, zeros in :func:`gather`'s collective with its failure
     record, zero buffers of the same size in the sum. Notes on ``exc`` what the others were told.
+    Returns whether every rank that failed ran out of memory while streaming (as the others
+    learn from the record: then every rank backs off alike).
 
     Under FSDP2 a failure before the ranks agreed on their micro-batches rides in that
     agreement, and one while streaming in :func:`gather`'s collective, provided the pass
@@ -88,21 +90,25 @@ def join(exc: Exception, ranks: Ranks, params: list[nn.Parameter], device: torch
         add_note(exc, f"mbs_ext.step: rank {ranks.rank} failed while streaming under FSDP2 and could not run the "
                       "rest of FSDP's collectives (the failure came inside a forward or backward, or before any "
                       "micro-batch arrived): the other ranks wait in them until the process group times out")
-        return
+        return False
     text = f"mbs_ext.step: rank {ranks.rank} failed; every rank undid the step (nothing changed)"
+    together = False
     try:
         if ranks.fsdp and progress.planned:  # gather's collective: 1 extra value (the non-finite flag)
             ranks.raise_failures(normalize.join(ranks, device, 1, ranks.failure_slots(failure)).tolist())
         elif ranks.fsdp:  # the agreement on the micro-batches, with this rank's record; raises PeerFailed
             ranks.agree_micro_batches(0.0, 0, device, failure)
-        else:
-            ranks.raise_failures(_join_replicated(ranks, params, device, dtype, failure, progress.buffers_synced))
+        else:  # DDP: where every failure was out of memory while streaming, every rank backs off
+            slots = _join_replicated(ranks, params, device, dtype, failure, progress.buffers_synced)
+            together = out_of_memory_while_streaming(slots, ranks.world)
+            ranks.raise_failures(slots)
     except PeerFailed as also:
         text += f"\n{also}"
     except Exception as join_exc:  # the process group itself failed: nothing more to do
         text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
                 "until the process group times out")
     add_note(exc, text)
+    return together
 
 
 def _join_replicated(ranks: Ranks, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,

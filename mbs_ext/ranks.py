@@ -78,7 +78,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 class PeerFailed(RuntimeError):
-    """Another rank failed in this step; this rank undid its part too (nothing changed)."""
+    """Another rank failed in this step; this rank undid its part too (nothing changed).
+    ``out_of_memory``: every rank that failed ran out of memory while streaming (the step then
+    backs off on every rank, as one process does)."""
+
+    def __init__(self, message: str, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,13 @@ class Failure:
 
     micro_batch: int
     out_of_memory: bool
+
+
+def out_of_memory_while_streaming(slots: list[float], world: int) -> bool:
+    """From the failure record summed over the ranks (:meth:`Ranks.failure_slots`): some rank
+    failed, and every one that did ran out of memory at a micro-batch (a smaller one may help)."""
+    failed = [r for r in range(world) if slots[r] > 0]
+    return bool(failed) and all(slots[r] >= 2 and slots[world + r] > 0 for r in failed)
 
 
 @dataclass(frozen=True)
@@ -199,8 +212,16 @@ class Ranks:
         )
         raise PeerFailed(
             f"mbs_ext.step: {where}; every rank undid the step (parameters, buffers, optimizer state and "
-            "gradients are as before it), and the failing rank raised its own error"
+            "gradients are as before it), and the failing rank raised its own error",
+            out_of_memory=out_of_memory_while_streaming(slots, self.world),
         )
+
+    def agree_size(self, size: int | None, device: torch.device) -> int | None:
+        """Out-of-memory back-off across ranks: the smallest micro-batch size any rank found
+        (None where some rank found none). One all-reduce and one host read, on this path only."""
+        t = torch.tensor([float(size or 0)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item()) or None
 
     def all_reduce_sum(
         self, values: list[float | torch.Tensor], device: torch.device, host_tail: list[float] | None = None

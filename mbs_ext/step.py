@@ -40,7 +40,7 @@ from mbs_ext.grads import make_sink, sink_dtype
 from mbs_ext.messages import add_note
 from mbs_ext.normalize import Normalizer, Rule, counts_ahead
 from mbs_ext.options import StepOptions, make_options
-from mbs_ext.ranks import Failure, PeerFailed, Ranks
+from mbs_ext.ranks import Failure, PeerFailed, Ranks, unwrap
 from mbs_ext.ring import StreamRing, split_sizes
 from mbs_ext.rollback import StepGuard
 
@@ -174,13 +174,9 @@ class MicroBatchStreamer:
             with deferring(self.model) as call.batchnorms:
                 size, key = self.cache.size_for(self.model, self.options, call)
                 result = backoff.with_backoff(
-                    lambda m: self._attempt(call, m, progress, stepping),
-                    size,
-                    retryable=lambda exc: progress.retryable,
-                    fits_at=lambda m: probe.fits(self.model, call.batch, call.info.indices, m, call.device,
-                                                 call.loss_call, self.options.autocast_dtype),
-                    free=lambda: probe.release_cached_memory(call.device),
+                    lambda m: self._attempt(call, m, progress, stepping), size,
                     remember=lambda smaller: self.cache.size_cap.__setitem__(key, smaller),
+                    **_backoff_hooks(self.model, call, self.options, progress),
                 )
         except Exception as exc:
             progress.share_failure(exc, params, device, self.options.accumulate_dtype)
@@ -238,6 +234,8 @@ class MicroBatchStreamer:
                 sink.release()
             if not isinstance(exc, PeerFailed):
                 add_note(exc, progress.where(call, m, exc))
+            if isinstance(exc, Exception):  # before back-off: every rank must decide alike
+                progress.share_failure(exc, call.params, device, opts.accumulate_dtype)
             raise
         stats = ring.stats()  # totals of this step's stream
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
@@ -260,6 +258,21 @@ def _agree_sharded(call: _Call, normalizer: Normalizer, sizes: list[int], progre
     return padded
 
 
+def _backoff_hooks(model: nn.Module, call: _Call, options: StepOptions, progress: _Progress) -> dict[str, Any]:
+    """What out-of-memory back-off needs: which errors it may cure, the probe, and across ranks
+    (DDP) the agreement on one size. Probes run on the module under DDP: no collectives."""
+    ranks = call.ranks
+    probed = unwrap(model) if ranks.group is not None else model
+    return {
+        "retryable": lambda exc: progress.retryable,
+        "out_of_memory": progress.out_of_memory,
+        "fits_at": lambda m: probe.fits(probed, call.batch, call.info.indices, m, call.device, call.loss_call,
+                                        options.autocast_dtype),
+        "free": lambda: probe.release_cached_memory(call.device),
+        "agree": (lambda size: ranks.agree_size(size, call.device)) if ranks.group is not None else None,
+    }
+
+
 class _Progress:
     """How far the latest attempt got: what back-off, error notes and a failing rank need to know."""
 
@@ -270,9 +283,12 @@ class _Progress:
         self.buffers_synced = False  # the step's buffer broadcast (DDP) began
         self.planned = False  # FSDP2: the ranks agreed on their micro-batches
         self.agreed = False  # the step's collective began: a failure is no longer joined
+        self.shared = False  # this attempt's failure was shared with the other ranks
+        self.oom_together = False  # ... and every rank that failed ran out of memory while streaming
 
     def begin(self, guard: StepGuard) -> None:
         self.fb, self.guard = None, guard
+        self.buffers_synced = self.planned = self.agreed = self.shared = self.oom_together = False
 
     @property
     def streaming(self) -> bool:
@@ -282,10 +298,18 @@ class _Progress:
                       accumulate_dtype: torch.dtype | None) -> None:
         """Across ranks, a failure before the step's collective: take part in it so that every rank
         raises (:func:`mbs_ext.gather.join`). Not for PeerFailed: the others know already."""
-        if self.ranks.group is None or self.agreed or isinstance(exc, PeerFailed):
+        if isinstance(exc, PeerFailed):
+            self.oom_together = exc.out_of_memory
+        if self.ranks.group is None or self.agreed or self.shared or isinstance(exc, PeerFailed):
             return
-        gather.join(exc, self.ranks, params, device, sink_dtype(accumulate_dtype, params, True),
-                    Failure(self.micro_batch, probe.is_out_of_memory(exc)), self)
+        self.shared = True
+        self.oom_together = gather.join(exc, self.ranks, params, device, sink_dtype(accumulate_dtype, params, True),
+                                        Failure(self.micro_batch, probe.is_out_of_memory(exc)), self)
+
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """Whether a smaller micro-batch may cure ``exc``: across ranks, what the failure record
+        they shared says (every rank reads the same), not this rank's own error."""
+        return probe.is_out_of_memory(exc) if self.ranks.group is None else self.oom_together
 
     @property
     def micro_batch(self) -> int:
@@ -295,9 +319,12 @@ class _Progress:
     @property
     def retryable(self) -> bool:
         """Back off only where a smaller micro-batch helps (out of memory while streaming, not in
-        the finish), only while nothing irreversible happened, and never across ranks (they would
-        pick different sizes)."""
-        return self.streaming and not self.guard.stepping and self.ranks.group is None
+        the finish) and only while nothing irreversible happened. Across ranks (DDP), when every
+        rank that failed ran out of memory while streaming (:meth:`out_of_memory`); not under
+        FSDP2, whose probes would run its collectives on one rank."""
+        if self.guard is None or self.guard.stepping:
+            return False
+        return self.streaming if self.ranks.group is None else not self.ranks.fsdp
 
     def where(self, call: _Call, m: int, exc: BaseException) -> str:
         fb = self.fb
@@ -312,9 +339,9 @@ class _Progress:
             of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
                     f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
-        if self.ranks.group is not None and m > 1 and probe.is_out_of_memory(exc):
-            text += ("\nmbs_ext.step: no out-of-memory back-off across ranks (they would diverge); pass a smaller "
-                     "micro_batch_size")
+        if self.ranks.fsdp and m > 1 and probe.is_out_of_memory(exc):
+            text += ("\nmbs_ext.step: no out-of-memory back-off under FSDP2 (its probes would run FSDP's "
+                     "collectives on one rank); pass a smaller micro_batch_size")
         return text
 
 
