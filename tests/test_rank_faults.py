@@ -51,15 +51,15 @@ def rows_of(batch, rank):
     return {k: v[lo:lo + ROWS[rank]] for k, v in batch.items()}
 
 
-def failing_loss(rank, at, exc_type, rank0_at=None, from_then_on=False):
-    """``lm_loss``, raising ``exc_type`` on rank 1 at loss call ``at`` (and every later call with
-    ``from_then_on``), and a ValueError on rank 0 at call ``rank0_at``."""
+def failing_loss(rank, at, exc_type, rank0_at=None):
+    """``lm_loss``, raising ``exc_type`` on rank 1 at loss call ``at``, and a ValueError on rank 0
+    at call ``rank0_at``."""
     calls = [0]
 
     def loss_fn(model, mb):
         i = calls[0]
         calls[0] += 1
-        if rank == 1 and (i == at or (from_then_on and i > at)):
+        if rank == 1 and i == at:
             raise exc_type(f"injected on rank 1 at micro-batch {at}")
         if rank == 0 and i == rank0_at:
             raise ValueError(f"injected on rank 0 at micro-batch {rank0_at}")
@@ -166,30 +166,42 @@ def test_the_next_step_is_exact(fault_results, name):
         assert torch.equal(results[rank][name]["buffer"], torch.zeros(3, dtype=torch.float64))  # rank 0's
 
 
+class AllocFailsAbove(TinyLM):
+    """TinyLM whose forward asks torch's CPU allocator for an impossible buffer on a micro-batch
+    of more than ``limit`` rows: a real allocation failure (a RuntimeError), no mock."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, ids):
+        if ids.shape[0] > self.limit:
+            torch.empty(2**62, dtype=torch.uint8)
+        return super().forward(ids)
+
+
 def _backoff(rank):
-    """Out of memory on rank 1 only: both ranks back off to one size and complete the step; and
-    where not even one row fits on rank 1, both raise."""
+    """Rank 1 alone runs out of memory above 2 rows: both ranks back off to one size and complete
+    the step; where not even one row fits on rank 1 (limit 0), both raise."""
     import warnings
 
-    full = data()
-    batch = rows_of(full, rank)
+    batch = rows_of(data(), rank)
     out = {}
-    for name, from_then_on in (("backs_off", False), ("nothing_fits", True)):
+    for name, limit in (("backs_off", 2), ("nothing_fits", 0)):
         torch.manual_seed(0)
-        model = DDP(TinyLM().double())
+        net = AllocFailsAbove(10**9).double()
+        model = DDP(net)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         streamer = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=M, normalize=token_count)
         streamer.step(batch)  # AdamW has state
         before = snapshot(model, opt)
-        oom = mbs_ext.MicroBatchStreamer(model, opt, failing_loss(rank, 1, torch.OutOfMemoryError,
-                                                                  from_then_on=from_then_on),
-                                         micro_batch_size=M, normalize=token_count)
+        net.limit = limit if rank == 1 else 10**9
         t0 = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                res = oom.step(batch)
-                raised, sizes = None, [res.micro_batch_size, oom.step(batch).micro_batch_size]
+                res = streamer.step(batch)
+                raised, sizes = None, [res.micro_batch_size, streamer.step(batch).micro_batch_size]
             except Exception as exc:  # noqa: BLE001 - the test records what each rank raised
                 raised, sizes = (type(exc).__name__, str(exc), "\n".join(getattr(exc, "__notes__", []))), []
         unchanged = True
@@ -209,9 +221,9 @@ def backoff_results(tmp_path_factory):
 
 
 def test_out_of_memory_on_one_rank_backs_off_on_every_rank(backoff_results):
-    """Rank 1 runs out of memory at micro-batch 1 of 3: every rank undoes the step, probes on its
-    own, and one all-reduce agrees on the size (2); the step is redone on both, exactly, and the
-    size is remembered for the next step."""
+    """Rank 1 runs out of host memory at its first micro-batch of 3 rows: every rank undoes the
+    step, probes on its own module, and one all-reduce agrees on the size (2); the step is redone
+    on both, exactly, and the size is remembered for the next step."""
     torch.manual_seed(0)
     model = TinyLM().double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -228,7 +240,8 @@ def test_out_of_memory_on_one_rank_backs_off_on_every_rank(backoff_results):
 
 def test_when_nothing_fits_on_one_rank_every_rank_raises(backoff_results):
     own, peer = backoff_results[1]["nothing_fits"], backoff_results[0]["nothing_fits"]
-    assert own["raised"][0] == "OutOfMemoryError" and peer["raised"][0] == "PeerFailed", (own, peer)
+    assert own["raised"][0] == "RuntimeError" and "DefaultCPUAllocator" in own["raised"][1], own["raised"]
+    assert peer["raised"][0] == "PeerFailed" and "rank 1 ran out of memory at micro-batch 0" in peer["raised"][1]
     for res in (own, peer):
         assert "found no micro-batch size that fits, not even 1 row on some rank" in res["raised"][2], res["raised"]
         assert res["unchanged"] and res["seconds"] < 30, res
