@@ -18,13 +18,9 @@ def check_model(model: Any) -> None:
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The distinct parameters with ``requires_grad``; raises when there are none."""
-    seen: set[int] = set()
-    params = []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
+    """The distinct parameters with ``requires_grad`` (``parameters()`` yields each once, however
+    often it is shared); raises when there are none."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters (none with requires_grad=True)")
     return params
@@ -40,8 +36,8 @@ def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _check_framework_optimizer(optimizer)
     params = trainable(model)
-    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if not any(id(p) in owned for p in params):
+    mine = {id(p) for p in params}
+    if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):  # stops at the first
         raise ValueError("optimizer owns none of the model's trainable parameters")
     return params
 

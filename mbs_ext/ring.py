@@ -102,6 +102,7 @@ class RingIterator:
         "_flat",
         "_tensor_pos",
         "_spec",
+        "_plain",
         "_leaves",
         "_indices",
         "_sizes",
@@ -124,12 +125,14 @@ class RingIterator:
         indices: torch.Tensor | None = None,
         sizes: list[int] | None = None,
         stats: dict | None = None,
+        plain: type | None = None,
     ) -> None:
         self._ring = ring  # keeps the ring alive while iterating
         self._handle = handle
         self._flat = flat
         self._tensor_pos = tensor_pos
         self._spec = spec
+        self._plain = plain
         self._leaves, self._indices, self._sizes, self._stats = leaves, indices, sizes, stats
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
@@ -177,6 +180,8 @@ class RingIterator:
                 raise StopIteration
             self.index = handle.index
             self.rows = handle.rows
+        if self._plain is not None:  # no pytree machinery: a few microseconds per micro-batch
+            return out[0] if self._plain is torch.Tensor else self._plain(out)
         flat = list(self._flat)
         for pos, tensor in zip(self._tensor_pos, out, strict=True):
             flat[pos] = tensor
@@ -248,6 +253,9 @@ class StreamRing:
             indices = _batch.check_indices(indices, n, (torch.device("cpu"), where))
         for i in tensor_pos:
             flat[i] = None  # the template keeps only the non-tensor leaves
+        # A bare tensor, or a plain tuple/list of tensors (the usual (inputs, targets)).
+        plain = type(batch) if type(batch) is torch.Tensor or (
+            type(batch) in (tuple, list) and all(isinstance(b, torch.Tensor) for b in batch)) else None
         on_device = where.type != "cpu"
         if on_device or (not copy and indices is None and self.device.type == "cpu"):
             self._ring.close()
@@ -263,12 +271,11 @@ class StreamRing:
             }
             if indices is not None:
                 indices = indices.to(where, non_blocking=True)
-            return RingIterator(
-                self, flat, tensor_pos, spec, leaves=leaves, indices=indices, sizes=sizes, stats=self._sliced_stats
-            )
+            return RingIterator(self, flat, tensor_pos, spec, leaves=leaves, indices=indices, sizes=sizes,
+                                stats=self._sliced_stats, plain=plain)
         self._sliced_stats = None
         handle = self._ring.open(leaves, m, indices)
-        return RingIterator(self, flat, tensor_pos, spec, handle=handle)
+        return RingIterator(self, flat, tensor_pos, spec, handle=handle, plain=plain)
 
     def stats(self) -> dict:
         """Totals of the most recent stream: stage_s (worker staging time), wait_s

@@ -478,7 +478,7 @@ tensor_specs = st.lists(
     specs=tensor_specs,
     n=st.integers(1, 40),
     m=st.integers(1, 45),
-    layout=st.sampled_from(["tensor", "tuple", "list", "dict", "nested"]),
+    layout=st.sampled_from(["tensor", "tuple", "list", "tensors_list", "tuple_in_tuple", "dict", "nested"]),
     use_indices=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -491,6 +491,10 @@ def test_property_random_structures(specs, n, m, layout, use_indices, seed):
         batch = tuple(leaves)
     elif layout == "list":
         batch = [*leaves, None]
+    elif layout == "tensors_list":  # rebuilt without pytree (as plain tuples and bare tensors are)
+        batch = list(leaves)
+    elif layout == "tuple_in_tuple":  # a tuple whose leaves are all tensors, but not all at the top
+        batch = (leaves[0], tuple(leaves[1:]))
     elif layout == "dict":
         batch = {f"k{i}": t for i, t in enumerate(leaves)}
     else:
@@ -505,6 +509,9 @@ def test_property_random_structures(specs, n, m, layout, use_indices, seed):
             assert_same(mb, gather(batch, idx[ranges[j][0] : ranges[j][1]]))
     else:
         check_stream(ring, batch, n, m)
+        for j, mb in enumerate(ring.stream(batch, m, copy=False)):  # sliced in place, not staged
+            start, stop = balanced_ranges(n, m)[j]
+            assert_same(mb, take(batch, start, stop))
 
 
 # --------------------------------------------------------------------------- CUDA
