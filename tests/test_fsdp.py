@@ -262,7 +262,7 @@ def _in_stream_faults(rank):
         mbs_ext.step(stepped, opt, batch, loss_fn, **kw)  # AdamW has state
         calls = [0]
 
-        def failing(m, mb, calls=calls, bad_rank=bad_rank, at=at, exc_type=exc_type, again=again):
+        def failing(m, mb, calls=calls, bad_rank=bad_rank, at=at, exc_type=exc_type, again=again, loss_fn=loss_fn):
             calls[0] += 1
             if rank == bad_rank and calls[0] - 1 == at:
                 raise exc_type(f"injected on rank {bad_rank} at loss call {at}")
