@@ -113,7 +113,13 @@ def _read(values: list, device: torch.device) -> list[float]:
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     read = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
     if on_device:
-        stacked = torch.stack([values[i].detach().to(device, torch.float64).reshape(()) for i in on_device])
+        # Every value is one element; most are 0-dim on ``device`` already, and each op saved
+        # here is saved on every step.
+        parts = [values[i].detach() for i in on_device]
+        parts = [v if v.dim() == 0 and v.device == device else v.to(device).reshape(()) for v in parts]
+        if not any(v.dtype == torch.float64 for v in parts):
+            parts = [v.to(torch.float64) for v in parts]
+        stacked = torch.stack(parts)  # promotes exactly to float64 (the loss sum's dtype)
         for i, v in zip(on_device, stacked.tolist()):
             read[i] = v
     return read

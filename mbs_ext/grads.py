@@ -166,12 +166,12 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     flags = []
     for (dev, dtype), gs in groups.items():
         if not (dtype == torch.bfloat16 and dev.type == "cuda"):
-            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            flag = torch.zeros((), dtype=torch.float32, device=dev)
             # inv_scale 1.0: a check only (the 1.0 made once per device, not every step).
             torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, _one(dev))
-            flags.append(flag.reshape(()).to(device))
         else:
-            flags.append((~torch.stack([torch.isfinite(g).all() for g in gs]).all()).to(torch.float32).to(device))
+            flag = (~torch.stack([torch.isfinite(g).all() for g in gs]).all()).to(torch.float32)
+        flags.append(flag if dev == device else flag.to(device))
     if len(flags) == 1:
         return flags[0]
     return torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.float32, device=device)
@@ -190,6 +190,8 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 gradients), or the tensor itself."""
+    if type(t) is torch.Tensor:  # the common case, without a failed attribute lookup per tensor
+        return t
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 

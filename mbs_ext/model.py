@@ -34,7 +34,7 @@ def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
         return trainable(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _check_framework_optimizer(optimizer)
+    check_framework_optimizer(optimizer)
     params = trainable(model)
     mine = {id(p) for p in params}
     if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):  # stops at the first
@@ -42,7 +42,7 @@ def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
     return params
 
 
-def _check_framework_optimizer(optimizer: Any) -> None:
+def check_framework_optimizer(optimizer: Any) -> None:
     """An optimizer a framework wrapped (Accelerate's ``AcceleratedOptimizer``, read by duck
     typing) that steps its own GradScaler, or skips its step while gradients accumulate, cannot
     take the step's update: refuse before anything changes and say what works."""

@@ -86,9 +86,9 @@ def counts_ahead(rule: Rule, targets: torch.Tensor | None, indices: torch.Tensor
     rows = rule.per_row(targets if indices is None else targets.index_select(0, indices))
     if rows is None:
         return None
-    if isinstance(rows, int):  # every row counts the same
-        counts = [float(rows * size) for size in sizes]
-    elif rows.is_floating_point():  # class weights: each micro-batch's own sum
+    if isinstance(rows, int):  # every row counts the same: whole numbers, nothing to validate
+        return [float(rows * size) for size in sizes]
+    if rows.is_floating_point():  # class weights: each micro-batch's own sum
         counts = torch.stack([part.sum() for part in rows.split(sizes)]).tolist()
     else:  # whole targets: running totals at the micro-batch ends are exact
         ends = list(itertools.accumulate(sizes))
@@ -274,7 +274,10 @@ def _loss_sum(losses: list[tuple[int, torch.Tensor, Count]], device: torch.devic
         values = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
         counts = torch.stack([c for _, c in on_device])
         parts.append(torch.where(counts > 0, values * counts, torch.zeros_like(counts)).sum())
-    if on_host:
+    if len(on_host) == 1:  # one micro-batch: two operations instead of four
+        loss, c = on_host[0]
+        parts.append(loss.to(torch.float64) * c)
+    elif on_host:
         values = torch.stack([loss for loss, _ in on_host]).to(torch.float64)
         if device.type == "cpu":  # a host tensor of weights is no copy here
             parts.append(values @ torch.tensor([c for _, c in on_host], dtype=torch.float64))

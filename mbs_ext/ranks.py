@@ -154,7 +154,6 @@ class Ranks:
         :func:`mbs_ext.grads.sink_dtype`)."""
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
-    @torch.no_grad()
     def sync_buffers(self) -> None:
         """Rank 0's module buffers to every rank, once per step before the first micro-batch, as
         DDP's forward does each iteration (``broadcast_buffers``). DDP's own broadcast is switched
@@ -164,8 +163,11 @@ class Ranks:
         if ddp is None:
             return
         ddp.require_forward_param_sync = False  # DDP's own broadcast: off for the step's forwards
-        if not getattr(ddp, "broadcast_buffers", False):
-            return
+        if getattr(ddp, "broadcast_buffers", False):
+            self._broadcast_buffers(ddp)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
         ignore = getattr(ddp, "parameters_to_ignore", set())
         groups: dict[tuple, list[torch.Tensor]] = {}
         for name, b in ddp.module.named_buffers():

@@ -83,6 +83,23 @@ def default_staging_threads(device: torch.device) -> int:
     return max(1, min(8, cores // 2))
 
 
+def _flatten(batch: Any) -> tuple[list, Any, list[int], list[torch.Tensor], type | None]:
+    """The template of ``batch`` (its non-tensor leaves, None where tensors go), its pytree spec,
+    the tensors' positions, the tensors (detached: no micro-batch carries the batch's autograd
+    history), and ``plain``: a bare tensor or a plain tuple/list of tensors (the usual
+    ``(inputs, targets)``), rebuilt without pytree, a few microseconds per micro-batch."""
+    plain = _batch.plain_kind(batch)
+    if plain is not None:
+        flat, spec = [batch] if plain is torch.Tensor else list(batch), None
+    else:
+        flat, spec = tree_flatten(batch)
+    tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+    leaves = [flat[i].detach() if flat[i].requires_grad else flat[i] for i in tensor_pos]
+    for i in tensor_pos:
+        flat[i] = None
+    return flat, spec, tensor_pos, leaves, plain
+
+
 class RingIterator:
     """Iterator over the micro-batches of one stream.
 
@@ -108,6 +125,7 @@ class RingIterator:
         "_sizes",
         "_next",
         "_stats",
+        "_row_bytes",
         "index",
         "rows",
         "__weakref__",
@@ -134,6 +152,8 @@ class RingIterator:
         self._spec = spec
         self._plain = plain
         self._leaves, self._indices, self._sizes, self._stats = leaves, indices, sizes, stats
+        # Bytes per row of all leaves together, for the stats (a slice's nbytes is its rows times this).
+        self._row_bytes = sum(t.numel() // t.shape[0] * t.element_size() for t in leaves) if leaves else 0
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)
@@ -154,12 +174,12 @@ class RingIterator:
         self._next = (j + 1, stop)
         self.index, self.rows = j, (start, stop)
         if self._indices is None:
-            out = [leaf.narrow(0, start, stop - start) for leaf in self._leaves]
+            out = [leaf[start:stop] for leaf in self._leaves]  # a view, as narrow (which parses slower)
         else:
             idx = self._indices[start:stop]
             out = [leaf.index_select(0, idx) for leaf in self._leaves]
         self._stats["micro_batches"] += 1
-        self._stats["bytes"] += sum(t.nbytes for t in out)
+        self._stats["bytes"] += (stop - start) * self._row_bytes
         return out
 
     def __next__(self):
@@ -180,7 +200,7 @@ class RingIterator:
                 raise StopIteration
             self.index = handle.index
             self.rows = handle.rows
-        if self._plain is not None:  # no pytree machinery: a few microseconds per micro-batch
+        if self._plain is not None:  # no pytree machinery (see StreamRing.stream)
             return out[0] if self._plain is torch.Tensor else self._plain(out)
         flat = list(self._flat)
         for pos, tensor in zip(self._tensor_pos, out, strict=True):
@@ -244,18 +264,11 @@ class StreamRing:
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
         allowed = (torch.device("cpu"), self.device)
-        _, n = _batch.check_leaves(batch, allowed, f"the CPU or on the ring's device {self.device}")
-        flat, spec = tree_flatten(batch)
-        tensor_pos = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
-        leaves = [flat[i].detach() for i in tensor_pos]
-        where = leaves[0].device
+        checked, n = _batch.check_leaves(batch, allowed, f"the CPU or on the ring's device {self.device}")
         if indices is not None:
-            indices = _batch.check_indices(indices, n, (torch.device("cpu"), where))
-        for i in tensor_pos:
-            flat[i] = None  # the template keeps only the non-tensor leaves
-        # A bare tensor, or a plain tuple/list of tensors (the usual (inputs, targets)).
-        plain = type(batch) if type(batch) is torch.Tensor or (
-            type(batch) in (tuple, list) and all(isinstance(b, torch.Tensor) for b in batch)) else None
+            indices = _batch.check_indices(indices, n, (torch.device("cpu"), checked[0].device))
+        flat, spec, tensor_pos, leaves, plain = _flatten(batch)
+        where = leaves[0].device
         on_device = where.type != "cpu"
         if on_device or (not copy and indices is None and self.device.type == "cpu"):
             self._ring.close()

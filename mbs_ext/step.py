@@ -20,6 +20,7 @@ everything is undone on any error (:mod:`~mbs_ext.rollback`).
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mbs_ext import backoff, gather, planner, probe, sharded
@@ -54,6 +56,33 @@ class _Cache:
     ring: StreamRing | None = None
     plans: dict[tuple, planner.MicroBatchPlan] = field(default_factory=dict)  # "auto", per signature
     size_cap: dict[tuple, int] = field(default_factory=dict)  # learned from out-of-memory back-off
+    bound: tuple | None = None  # (what it depends on, params, device, ranks) of the latest step
+
+    def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             process_group: Any) -> tuple[list[nn.Parameter], torch.device, Ranks]:
+        """The model's trainable parameters (checked against the optimizer), its device and its ranks.
+
+        Only the parameters are looked up every step (a user may freeze, thaw or add some
+        between steps); the rest is redone when they, their device, the optimizer or the
+        state of torch.distributed changed, so a steady loop skips the walks through the
+        wrappers and the ownership check (what a framework's optimizer wrapper says is read
+        every step: it changes inside its accumulation context).
+        """
+        params = _model.trainable(model)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
+        key = (optimizer, process_group, params[0].device, world)
+        bound = self.bound
+        if bound is not None and bound[0] == key and len(bound[1]) == len(params) \
+                and all(map(operator.is_, bound[1], params)):
+            if optimizer is not None:
+                _model.check_framework_optimizer(optimizer)
+            return bound[1], bound[2], bound[3]
+        self.bound = None
+        params = _model.check_model_optimizer(model, optimizer)
+        device = _model.model_device(model)
+        ranks = Ranks.of(model, params, process_group)
+        self.bound = (key, params, device, ranks)
+        return params, device, ranks
 
     def ring_for(self, device: torch.device) -> StreamRing:
         if self.ring is None or self.ring.device != device:
@@ -131,6 +160,7 @@ class MicroBatchStreamer:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.cache = _Cache(ring=ring)
         self._loss_calls: dict[bool, Callable[[nn.Module, Any], torch.Tensor]] = {}
+        self._rules: dict[Any, Rule] = {}  # by the loss's reduction, which a caller may change
 
     @property
     def ring(self) -> StreamRing | None:
@@ -167,8 +197,8 @@ class MicroBatchStreamer:
     def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
         t_begin = time.perf_counter()
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
-        params, device = _model.check_model_optimizer(self.model, self.optimizer), _model.model_device(self.model)
-        progress = _Progress(ranks := Ranks.of(self.model, params, self.options.process_group))
+        params, device, ranks = self.cache.bind(self.model, self.optimizer, self.options.process_group)
+        progress = _Progress(ranks)
         try:
             call = self._check(batch, indices, params, device, ranks)
             with deferring(self.model) as call.batchnorms:
@@ -191,9 +221,13 @@ class MicroBatchStreamer:
         _model.check_scaler_params(self.options.scaler, params, device)
         if ranks.fsdp:
             sharded.check_options(self.options, sink_dtype(self.options.accumulate_dtype, params, False))
-        rule = _loss.rule_for(self.loss_fn, self.options.normalize)
+        # Read once per loss configuration and batch kind: their checks need not run every step.
+        reduction = getattr(self.loss_fn, "reduction", None)
+        rule = self._rules.get(reduction)
+        if rule is None:
+            rule = self._rules[reduction] = _loss.rule_for(self.loss_fn, self.options.normalize)
         loss_call = self._loss_calls.get(info.pair)
-        if loss_call is None:  # made once per batch kind: its checks need not run every step
+        if loss_call is None:
             loss_call = self._loss_calls[info.pair] = _loss.loss_caller(self.loss_fn, info.pair)
         return _Call(params, batch, info, device, ranks, rule, loss_call)
 
