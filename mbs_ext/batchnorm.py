@@ -180,16 +180,18 @@ def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
 
 
 @contextlib.contextmanager
-def deferring(model: nn.Module) -> Iterator[list[_DeferredStats]]:
+def deferring(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[list[_DeferredStats]]:
     """Within the block every BatchNorm of ``model`` defers its statistics; yields the deferred layers.
 
-    Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block (same
-    object, parameters and buffers) and get their own class back afterwards, whatever
+    ``modules`` is ``list(model.modules())`` where the caller has it (the step walks the
+    model once). Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block
+    (same object, parameters and buffers) and get their own class back afterwards, whatever
     happens in the block.
     """
     plain, layers = [], []
-    for name, m in model.named_modules():  # one walk: this runs every step
+    for m in model.modules() if modules is None else modules:
         if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
+            name = next(n for n, x in model.named_modules() if x is m)
             raise ValueError(
                 f"model has an nn.SyncBatchNorm in training mode ({name or 'the model'}): its forward "
                 "synchronizes with every rank per micro-batch, which a streamed step cannot keep in step. "

@@ -6,7 +6,7 @@ model, the optimizer and the scaler as they were.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -17,25 +17,56 @@ def check_model(model: Any) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The distinct parameters with ``requires_grad`` (``parameters()`` yields each once, however
-    often it is shared); raises when there are none."""
-    params = [p for p in model.parameters() if p.requires_grad]
+class Members(NamedTuple):
+    """What a step reads of a model every time, from one walk over its modules."""
+
+    modules: list[nn.Module]  # as ``model.modules()``
+    params: list[nn.Parameter]  # the distinct ones with requires_grad, as ``parameters()`` orders them
+    buffers: list[torch.Tensor]  # the distinct ones, as ``buffers()``
+
+
+def members(model: nn.Module) -> Members:
+    """The model's modules, trainable parameters and buffers in one walk: ``parameters()``,
+    ``buffers()`` and ``modules()`` each walk the module tree again, which on a deep model
+    costs more than the rest of a step's bookkeeping. Shared tensors are listed once, where
+    they first appear, as torch's own iterators do."""
+    modules = list(model.modules())
+    params: list[nn.Parameter] = []
+    buffers: list[torch.Tensor] = []
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen_buffers:
+                seen_buffers.add(id(b))
+                buffers.append(b)
+    return Members(modules, params, buffers)
+
+
+def trainable(model: nn.Module, found: Members | None = None) -> list[nn.Parameter]:
+    """The distinct parameters with ``requires_grad`` (of ``found`` when the walk was made);
+    raises when there are none."""
+    params = (found or members(model)).params
     if not params:
         raise ValueError("model has no trainable parameters (none with requires_grad=True)")
     return params
 
 
-def check_model_optimizer(model: Any, optimizer: Any) -> list[nn.Parameter]:
-    """The model's trainable parameters, after checking that the optimizer (if any: None for
-    :func:`mbs_ext.accumulate`) owns some of them."""
+def check_model_optimizer(model: Any, optimizer: Any, found: Members | None = None) -> list[nn.Parameter]:
+    """The model's trainable parameters (of ``found`` when the walk was made), after checking that
+    the optimizer (if any: None for :func:`mbs_ext.accumulate`) owns some of them."""
     check_model(model)
     if optimizer is None:
-        return trainable(model)
+        return trainable(model, found)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     check_framework_optimizer(optimizer)
-    params = trainable(model)
+    params = trainable(model, found)
     mine = {id(p) for p in params}
     if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):  # stops at the first
         raise ValueError("optimizer owns none of the model's trainable parameters")

@@ -15,15 +15,11 @@ from torch import nn
 
 
 class Snapshot:
-    """Copies of a model's distinct buffers and of the CPU and device RNG states."""
+    """Copies of a model's distinct ``buffers`` (``model.buffers()`` lists each once) and of the
+    CPU and device RNG states."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        seen: set[int] = set()
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for b in model.buffers():
-            if id(b) not in seen:
-                seen.add(id(b))
-                self.buffers.append((b, b.detach().clone()))
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device) -> None:
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = [(b, b.detach().clone()) for b in buffers]
         self.device = device
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -81,13 +77,14 @@ class StepGuard:
     the scaler, so that a rollback undoes exactly that.
     """
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None,
-                 scaler: torch.amp.GradScaler | None, device: torch.device, batchnorms: list) -> None:
+    def __init__(self, buffers: list[torch.Tensor], params: list[nn.Parameter],
+                 optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None,
+                 device: torch.device, batchnorms: list) -> None:
         self.params, self.optimizer, self.scaler, self.batchnorms = params, optimizer, scaler, batchnorms
         # Without an optimizer (mbs_ext.accumulate) the caller owns .grad: a failure puts back
         # the gradients it had, rather than clearing them.
         self.old_grads = [p.grad for p in params] if optimizer is None else None
-        self.snapshot = Snapshot(model, device)
+        self.snapshot = Snapshot(buffers, device)
         self.scaler_state = ScalerSnapshot(scaler) if scaler is not None else None
         self.unscaled = False
         self.updated = False

@@ -58,17 +58,17 @@ class _Cache:
     size_cap: dict[tuple, int] = field(default_factory=dict)  # learned from out-of-memory back-off
     bound: tuple | None = None  # (what it depends on, params, device, ranks) of the latest step
 
-    def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             process_group: Any) -> tuple[list[nn.Parameter], torch.device, Ranks]:
+    def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, process_group: Any,
+             found: _model.Members) -> tuple[list[nn.Parameter], torch.device, Ranks]:
         """The model's trainable parameters (checked against the optimizer), its device and its ranks.
 
-        Only the parameters are looked up every step (a user may freeze, thaw or add some
-        between steps); the rest is redone when they, their device, the optimizer or the
-        state of torch.distributed changed, so a steady loop skips the walks through the
+        The parameters are looked up every step (``found``: a user may freeze, thaw or add
+        some between steps); the rest is redone when they, their device, the optimizer or
+        the state of torch.distributed changed, so a steady loop skips the walks through the
         wrappers and the ownership check (what a framework's optimizer wrapper says is read
         every step: it changes inside its accumulation context).
         """
-        params = _model.trainable(model)
+        params = _model.trainable(model, found)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
         key = (optimizer, process_group, params[0].device, world)
         bound = self.bound
@@ -78,7 +78,7 @@ class _Cache:
                 _model.check_framework_optimizer(optimizer)
             return bound[1], bound[2], bound[3]
         self.bound = None
-        params = _model.check_model_optimizer(model, optimizer)
+        params = _model.check_model_optimizer(model, optimizer, found)
         device = _model.model_device(model)
         ranks = Ranks.of(model, params, process_group)
         self.bound = (key, params, device, ranks)
@@ -126,6 +126,7 @@ class _Call:
     rule: Rule
     loss_call: Callable[[nn.Module, Any], torch.Tensor]
     batchnorms: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)  # the model's, for the rollback snapshot
 
 
 class MicroBatchStreamer:
@@ -159,8 +160,8 @@ class MicroBatchStreamer:
         self.options = make_options(options, overrides)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.cache = _Cache(ring=ring)
-        self._loss_calls: dict[bool, Callable[[nn.Module, Any], torch.Tensor]] = {}
-        self._rules: dict[Any, Rule] = {}  # by the loss's reduction, which a caller may change
+        # The count rule and the loss call, by the loss's reduction (a caller may change it) and pair-ness.
+        self._loss_calls: dict[tuple, tuple[Rule, Callable[[nn.Module, Any], torch.Tensor]]] = {}
 
     @property
     def ring(self) -> StreamRing | None:
@@ -197,11 +198,12 @@ class MicroBatchStreamer:
     def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
         t_begin = time.perf_counter()
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
-        params, device, ranks = self.cache.bind(self.model, self.optimizer, self.options.process_group)
+        found = _model.members(self.model)  # the one walk over the model's modules this step
+        params, device, ranks = self.cache.bind(self.model, self.optimizer, self.options.process_group, found)
         progress = _Progress(ranks)
         try:
-            call = self._check(batch, indices, params, device, ranks)
-            with deferring(self.model) as call.batchnorms:
+            call = self._check(batch, indices, params, device, ranks, found.buffers)
+            with deferring(self.model, found.modules) as call.batchnorms:
                 size, key = self.cache.size_for(self.model, self.options, call)
                 result = backoff.with_backoff(
                     lambda m: self._attempt(call, m, progress, stepping), size,
@@ -215,21 +217,18 @@ class MicroBatchStreamer:
         return result
 
     def _check(self, batch: Any, indices: Any, params: list[nn.Parameter], device: torch.device,
-               ranks: Ranks) -> _Call:
+               ranks: Ranks, buffers: list[torch.Tensor]) -> _Call:
         """Every check of a call's inputs, before anything changes."""
         info = _batch.check(batch, indices, device)
         _model.check_scaler_params(self.options.scaler, params, device)
         if ranks.fsdp:
             sharded.check_options(self.options, sink_dtype(self.options.accumulate_dtype, params, False))
-        # Read once per loss configuration and batch kind: their checks need not run every step.
-        reduction = getattr(self.loss_fn, "reduction", None)
-        rule = self._rules.get(reduction)
-        if rule is None:
-            rule = self._rules[reduction] = _loss.rule_for(self.loss_fn, self.options.normalize)
-        loss_call = self._loss_calls.get(info.pair)
-        if loss_call is None:
-            loss_call = self._loss_calls[info.pair] = _loss.loss_caller(self.loss_fn, info.pair)
-        return _Call(params, batch, info, device, ranks, rule, loss_call)
+        key = (getattr(self.loss_fn, "reduction", None), info.pair)
+        made = self._loss_calls.get(key)
+        if made is None:  # once per loss reduction and batch kind: their checks need not run every step
+            made = self._loss_calls[key] = (_loss.rule_for(self.loss_fn, self.options.normalize),
+                                            _loss.loss_caller(self.loss_fn, info.pair))
+        return _Call(params, batch, info, device, ranks, *made, buffers=buffers)
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
@@ -237,7 +236,7 @@ class MicroBatchStreamer:
         opts, device = self.options, call.device
         optimizer = self.optimizer if stepping else None
         ranks = call.ranks
-        guard = StepGuard(self.model, call.params, optimizer, opts.scaler, device, call.batchnorms)
+        guard = StepGuard(call.buffers, call.params, optimizer, opts.scaler, device, call.batchnorms)
         progress.begin(guard)
         sink = None
         try:
