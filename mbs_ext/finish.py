@@ -18,7 +18,7 @@ from torch import nn
 from mbs_ext.gather import Agreement
 from mbs_ext.grads import AutogradSink, BufferSink
 from mbs_ext.messages import caller_stacklevel
-from mbs_ext.normalize import Normalizer
+from mbs_ext.normalize import Normalizer, first_nonfinite, nonfinite_at
 from mbs_ext.options import StepOptions
 from mbs_ext.rollback import StepGuard
 
@@ -75,14 +75,12 @@ def finish(
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    values = [*normalizer.device_values(), found, agreement.failed()]
-    if norm is not None:
-        values.append(norm.detach())
-    read = _read(values, device)
-    agreement.raise_if_failed(read[4])
-    loss = normalizer.check(read[0], read[1], read[2])
-    grad_norm = read[5] if norm is not None else None
-    skipped = _should_skip(loss, read[3] != 0, normalizer, options, device)
+    read = _read([found, agreement.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()],
+                 device)
+    agreement.raise_if_failed(read[1])
+    loss = normalizer.check(*read[3:])
+    grad_norm = read[2] if norm is not None else None
+    skipped = _should_skip(loss, read[0] != 0, normalizer, options, device)
     if skipped:
         if scaler is not None:
             scaler.update()  # backs off when the gradients overflowed
@@ -101,9 +99,9 @@ def finish_gradients(normalizer: Normalizer, guard: StepGuard, device: torch.dev
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
     ``.grad`` for the caller's own optimizer step."""
-    read = _read([*normalizer.device_values(), agreement.failed()], device)
-    agreement.raise_if_failed(read[3])
-    loss = normalizer.check(read[0], read[1], read[2])
+    read = _read([agreement.failed(), *normalizer.device_values()], device)
+    agreement.raise_if_failed(read[0])
+    loss = normalizer.check(*read[1:])
     guard.commit_statistics()
     return Finished(loss, False, None)
 
@@ -113,14 +111,12 @@ def _read(values: list, device: torch.device) -> list[float]:
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     read = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
     if on_device:
-        # Every value is one element; most are 0-dim on ``device`` already, and each op saved
-        # here is saved on every step.
+        # Every value is one element; most are 0-dim on ``device`` already, and each operation
+        # saved here is saved on every step. Stacking promotes exactly: the values are float32
+        # or float64 (widened, never rounded) or small integer counts.
         parts = [values[i].detach() for i in on_device]
         parts = [v if v.dim() == 0 and v.device == device else v.to(device).reshape(()) for v in parts]
-        if not any(v.dtype == torch.float64 for v in parts):
-            parts = [v.to(torch.float64) for v in parts]
-        stacked = torch.stack(parts)  # promotes exactly to float64 (the loss sum's dtype)
-        for i, v in zip(on_device, stacked.tolist()):
+        for i, v in zip(on_device, torch.stack(parts).tolist()):
             read[i] = v
     return read
 
@@ -138,8 +134,8 @@ def _should_skip(loss: float, grads_bad: bool, normalizer: Normalizer, options: 
         return True
     if not math.isfinite(loss):
         # Which micro-batch: a second read, only on this failure path (not every step).
-        mark = _read([normalizer.first_nonfinite()], device)[0]
-        msg = f"non-finite loss {normalizer.nonfinite_at(mark)} (loss={loss})"
+        mark = _read([first_nonfinite(normalizer)], device)[0]
+        msg = f"non-finite loss {nonfinite_at(normalizer, mark)} (loss={loss})"
     else:
         msg = f"non-finite gradient (loss={loss})"
     if options.on_nonfinite == "raise":

@@ -126,8 +126,9 @@ class ForwardBackward:
         norm, sink = self.normalizer, self.sink
         c = norm.count(mb, self.rows)
         # Unbuffered (one process), the last backward takes its exact weight: settle the
-        # total now and rescale what came before. Buffered sinks and FSDP2 settle after the pass.
-        settle_now = last and not sink.buffered and not self.ranks.fsdp
+        # total now and rescale what came before. Buffered sinks, FSDP2 and weights exact from
+        # the first micro-batch on settle after the pass (mbs_ext.gather).
+        settle_now = last and not sink.buffered and not self.ranks.fsdp and not norm.exact_ahead
         if not isinstance(c, torch.Tensor) and c == 0 and not self.ranks.fsdp:
             if settle_now:
                 self._settle()

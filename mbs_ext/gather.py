@@ -55,7 +55,9 @@ def gather(normalizer: Normalizer, sink: AutogradSink | BufferSink, ranks: Ranks
         reduced = normalizer.settle(extra=[sink.local_nonfinite()], host_tail=ranks.failure_slots(None))
         sink.found = (reduced[0] > 0).to(torch.float32)
         return Agreement(ranks, reduced[1:])
-    if not sink.buffered:  # one process: settled before the last backward (see the pass)
+    if not sink.buffered:  # one process: settled before the last backward (see the pass), or now
+        if normalizer.total is None:
+            normalizer.settle()
         return Agreement(ranks)
     got = sink.presence()
     slots = ranks.failure_slots(None) if ranks.group is not None else []

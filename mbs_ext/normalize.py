@@ -133,6 +133,11 @@ class Normalizer:
         if ahead is not None:
             self.denom = sum(ahead) or 1.0  # a zero total: every micro-batch is skipped, check() fails
 
+    @property
+    def exact_ahead(self) -> bool:
+        """Every weight is exact from the start (one process; a fixed rule or counts taken ahead)."""
+        return (self.rule.known_ahead or self.ahead is not None) and self.ranks.group is None
+
     def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
         self.rows_of.append(rows)
@@ -151,8 +156,7 @@ class Normalizer:
         return c
 
     def count_ahead(self, micro_batches: Any) -> Count:
-        """Count every ``(micro_batch, rows)`` before the first one streams (FSDP2, where the ranks
-        agree on the total first); returns this rank's total, for :meth:`agree`."""
+        """Count every ``(micro_batch, rows)`` first (FSDP2); returns this rank's total, for :meth:`agree`."""
         for mb, rows in micro_batches:
             self.count(mb, rows)
         total = self._local_total()
@@ -190,7 +194,9 @@ class Normalizer:
         """Local totals and checks, then the global ones over the ranks in one collective (with
         ``extra`` values riding along). Returns the reduced ``extra`` + ``host_tail`` (None on one process)."""
         total = self._local_total()
-        self.loss_sum = _loss_sum(self.losses, self.device)
+        # One process, host counts: the losses are read as they are and weighed on the host (check).
+        on_host = self.ranks.group is None and not any(isinstance(c, torch.Tensor) for c in self.counts)
+        self.loss_sum = None if on_host else _loss_sum(self.losses, self.device)
         reduced = None
         if self.ranks.group is not None:
             flag = (self.bad > 0).to(torch.float64) if isinstance(self.bad, torch.Tensor) else 0.0
@@ -217,16 +223,6 @@ class Normalizer:
         self.bad = _first_position(~((counts >= 0) & (counts < math.inf)))  # negative, NaN or inf
         return counts.sum() + host if host else counts.sum()
 
-    def first_nonfinite(self) -> torch.Tensor | float:
-        """Where the first non-finite micro-batch loss is, as a device mark for :meth:`nonfinite_at`."""
-        if not self.losses:
-            return 0.0
-        return _first_position(~torch.isfinite(torch.stack([loss for _, loss, _ in self.losses])))
-
-    def nonfinite_at(self, mark: float) -> str:
-        """Where a non-finite loss was, from the mark read on the host."""
-        return f"at {self.describe(self.losses[int(mark) - 1][0])}" if mark > 0 else "on another DDP rank"
-
     def rescale_factor(self) -> Count:
         """What to multiply provisionally weighted sums by: ``D_provisional / D`` (the sums of all
         ranks are added up, not averaged)."""
@@ -235,18 +231,21 @@ class Normalizer:
         return 1.0  # a zero host total: check() fails the step
 
     def device_values(self) -> list[Count]:
-        """What :meth:`check` needs read on the host: loss sum, total, bad-count mark."""
-        return [self.loss_sum, self.total, self.bad]
+        """To read on the host for :meth:`check`: the loss sum (or its weighed parts), total, bad-count mark."""
+        if self.loss_sum is not None:
+            return [self.loss_sum, self.total, self.bad]
+        return [*(loss for _, loss, c in self.losses if c != 0), self.total, self.bad]
 
-    def check(self, loss_sum: float, total: float, bad: float) -> float:
-        """Raise on an invalid count or a zero total; return the mini-batch loss."""
+    def check(self, *read: float) -> float:
+        """Raise on an invalid count or a zero total; return the mini-batch loss (``read``: :meth:`device_values`)."""
+        *parts, total, bad = read
         if bad != 0:
             raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned one that is not {self._where(bad)}")
         if total == 0:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
             )
-        return loss_sum / total
+        return (parts[0] if self.loss_sum is not None else _weighed(self.losses, parts)) / total
 
     def _where(self, mark: float) -> str:
         return "on another DDP rank" if mark < 0 else f"at {self.describe(self._device_index[int(mark) - 1])}"
@@ -255,6 +254,24 @@ class Normalizer:
         """Micro-batch ``k`` and its rows, for messages."""
         start, stop = self.rows_of[k]
         return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
+
+
+def _weighed(losses: list[tuple[int, torch.Tensor, Count]], parts: list[float]) -> float:
+    """``sum_i c_i * loss_i`` on the host, of the losses read as they are (``parts``: those with a
+    nonzero count, in order; a zero count adds nothing, even a NaN mean)."""
+    return sum(c * v for c, v in zip((c for _, _, c in losses if c != 0), parts))
+
+
+def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:
+    """Where the first non-finite micro-batch loss is, as a device mark for :func:`nonfinite_at`."""
+    if not normalizer.losses:
+        return 0.0
+    return _first_position(~torch.isfinite(torch.stack([loss for _, loss, _ in normalizer.losses])))
+
+
+def nonfinite_at(normalizer: Normalizer, mark: float) -> str:
+    """Where a non-finite loss was, from the mark read on the host."""
+    return f"at {normalizer.describe(normalizer.losses[int(mark) - 1][0])}" if mark > 0 else "on another DDP rank"
 
 
 def join(ranks: Ranks, device: torch.device, extra: int, host_tail: list[float]) -> torch.Tensor:
