@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+_CPU = torch.device("cpu")
+
 
 def plain_kind(batch: Any) -> type | None:
     """``torch.Tensor`` for a bare tensor, ``tuple``/``list`` for a plain sequence of tensors (the
@@ -92,7 +94,7 @@ class BatchInfo:
 def check(batch: Any, indices: Any, device: torch.device) -> BatchInfo:
     """A batch for a model on ``device`` (on the host or on that device), and its optional
     ``indices`` (into the batch as a dataset)."""
-    allowed = (torch.device("cpu"),) if device.type == "cpu" else (torch.device("cpu"), device)
+    allowed = (_CPU,) if device.type == "cpu" else (_CPU, device)
     leaves, n = check_leaves(batch, allowed, f"the CPU or on the model's device {device}")
     if indices is not None:
         indices = check_indices(indices, n, allowed)

@@ -114,7 +114,7 @@ def _read(values: list, device: torch.device) -> list[float]:
         # Every value is one element; most are 0-dim on ``device`` already, and each operation
         # saved here is saved on every step. Stacking promotes exactly: the values are float32
         # or float64 (widened, never rounded) or small integer counts.
-        parts = [values[i].detach() for i in on_device]
+        parts = [values[i].detach() if values[i].requires_grad else values[i] for i in on_device]
         parts = [v if v.dim() == 0 and v.device == device else v.to(device).reshape(()) for v in parts]
         for i, v in zip(on_device, torch.stack(parts).tolist()):
             read[i] = v

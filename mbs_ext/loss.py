@@ -243,8 +243,11 @@ def check_loss(loss: Any, device: torch.device) -> None:
         raise ValueError(f"loss_fn returned a tensor on {loss.device}, but the model is on {device}")
 
 
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: entered once per micro-batch
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for ``dtype`` on ``device``'s type, or a no-op when dtype is None."""
     if dtype is None:
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -77,6 +77,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     return m
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per micro-batch
+
+
 class PeerFailed(RuntimeError):
     """Another rank failed in this step; this rank undid its part too (nothing changed).
     ``out_of_memory``: every rank that failed ran out of memory while streaming (the step then
@@ -152,7 +155,7 @@ class Ranks:
     def no_sync(self) -> contextlib.AbstractContextManager:
         """DDP's ``no_sync`` for every micro-batch: the step sums the gradients itself (see
         :func:`mbs_ext.grads.sink_dtype`)."""
-        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        return self.ddp.no_sync() if self.ddp is not None else _NO_CONTEXT
 
     def sync_buffers(self) -> None:
         """Rank 0's module buffers to every rank, once per step before the first micro-batch, as
