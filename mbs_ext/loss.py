@@ -219,8 +219,12 @@ class _ClassTargetCount:
         ignore = -100 if ignore is None else ignore
         weight = self.loss_fn.weight
         if weight is None and target.device.type == "cpu" and target.numel():
-            lo, hi = torch.aminmax(target)
-            if not int(lo) <= ignore <= int(hi):  # nothing ignored: every row counts all its targets
+            if ignore < 0:  # class targets are >= 0: nothing is ignored when the smallest is above it
+                nothing_ignored = int(target.min()) > ignore
+            else:
+                lo, hi = torch.aminmax(target)
+                nothing_ignored = not int(lo) <= ignore <= int(hi)
+            if nothing_ignored:  # every row counts all its targets
                 return target.numel() // n
         keep = target != ignore
         if weight is None:
