@@ -126,6 +126,7 @@ class RingIterator:
         "_next",
         "_stats",
         "_row_bytes",
+        "_pieces",
         "index",
         "rows",
         "__weakref__",
@@ -154,6 +155,9 @@ class RingIterator:
         self._leaves, self._indices, self._sizes, self._stats = leaves, indices, sizes, stats
         # Bytes per row of all leaves together, for the stats (a slice's nbytes is its rows times this).
         self._row_bytes = sum(t.numel() // t.shape[0] * t.element_size() for t in leaves) if leaves else 0
+        # Row ranges of several micro-batches: every view made at once, one split per leaf.
+        several = leaves is not None and indices is None and sizes is not None and len(sizes) > 1
+        self._pieces = [leaf.split(sizes) for leaf in leaves] if several else None
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)
@@ -173,7 +177,9 @@ class RingIterator:
         stop = start + self._sizes[j]
         self._next = (j + 1, stop)
         self.index, self.rows = j, (start, stop)
-        if self._indices is None:
+        if self._pieces is not None:
+            out = [pieces[j] for pieces in self._pieces]
+        elif self._indices is None:
             out = [leaf[start:stop] for leaf in self._leaves]  # a view, as narrow (which parses slower)
         else:
             idx = self._indices[start:stop]
@@ -209,7 +215,7 @@ class RingIterator:
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
-        self._sizes = None
+        self._sizes = self._pieces = None
         if handle is not None:
             handle.close()
 
