@@ -28,6 +28,8 @@ __all__ = ["StreamRing", "RingIterator", "split_sizes", "default_staging_threads
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
+    if type(value) is int and value >= minimum:  # the usual case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
     value = int(value)

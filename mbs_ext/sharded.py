@@ -80,10 +80,14 @@ def fully_sharded(root: nn.Module, params: list[nn.Parameter]) -> tuple[tuple[nn
     return modules, mesh.get_group()
 
 
-@contextlib.contextmanager
-def summing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+def summing(modules: tuple[nn.Module, ...]) -> contextlib.AbstractContextManager:
     """FSDP's reductions sum (divide factor 1, sum-only collectives) and every module reduces,
-    for the step; each module's own settings come back after it."""
+    for the step; each module's own settings come back after it. Nothing without FSDP2 modules."""
+    return _summing(modules) if modules else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _summing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
     saved = []
     for m in modules:
         # FSDP2 offers setters but no getters: the settings are read from its parameter groups.
