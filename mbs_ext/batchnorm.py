@@ -180,16 +180,16 @@ def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
 
 
 @contextlib.contextmanager
-def deferring(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[list[_DeferredStats]]:
+def deferring(model: nn.Module, modules: list[nn.Module]) -> Iterator[list[_DeferredStats]]:
     """Within the block every BatchNorm of ``model`` defers its statistics; yields the deferred layers.
 
-    ``modules`` is ``list(model.modules())`` where the caller has it (the step walks the
-    model once). Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block
-    (same object, parameters and buffers) and get their own class back afterwards, whatever
-    happens in the block.
+    ``modules`` is ``list(model.modules())``, which the step has from its one walk over the
+    model. Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block (same
+    object, parameters and buffers) and get their own class back afterwards, whatever happens
+    in the block.
     """
     plain, layers = [], []
-    for m in model.modules() if modules is None else modules:
+    for m in modules:
         if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
             name = next(n for n, x in model.named_modules() if x is m)
             raise ValueError(
