@@ -197,6 +197,7 @@ class Normalizer:
         # One process, host counts: the losses are read as they are and weighed on the host (check).
         on_host = self.ranks.group is None and not any(isinstance(c, torch.Tensor) for c in self.counts)
         self.loss_sum = None if on_host else _loss_sum(self.losses, self.device)
+        self.counted = [(loss, c) for _, loss, c in self.losses if c != 0] if on_host else []  # c != 0: no NaN mean
         reduced = None
         if self.ranks.group is not None:
             flag = (self.bad > 0).to(torch.float64) if isinstance(self.bad, torch.Tensor) else 0.0
@@ -234,7 +235,7 @@ class Normalizer:
         """To read on the host for :meth:`check`: the loss sum (or its weighed parts), total, bad-count mark."""
         if self.loss_sum is not None:
             return [self.loss_sum, self.total, self.bad]
-        return [*(loss for _, loss, c in self.losses if c != 0), self.total, self.bad]
+        return [*(loss for loss, _ in self.counted), self.total, self.bad]
 
     def check(self, *read: float) -> float:
         """Raise on an invalid count or a zero total; return the mini-batch loss (``read``: :meth:`device_values`)."""
@@ -245,7 +246,7 @@ class Normalizer:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
             )
-        return (parts[0] if self.loss_sum is not None else _weighed(self.losses, parts)) / total
+        return (parts[0] if self.loss_sum is not None else sum(c * v for (_, c), v in zip(self.counted, parts))) / total
 
     def _where(self, mark: float) -> str:
         return "on another DDP rank" if mark < 0 else f"at {self.describe(self._device_index[int(mark) - 1])}"
@@ -254,12 +255,6 @@ class Normalizer:
         """Micro-batch ``k`` and its rows, for messages."""
         start, stop = self.rows_of[k]
         return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
-
-
-def _weighed(losses: list[tuple[int, torch.Tensor, Count]], parts: list[float]) -> float:
-    """``sum_i c_i * loss_i`` on the host, of the losses read as they are (``parts``: those with a
-    nonzero count, in order; a zero count adds nothing, even a NaN mean)."""
-    return sum(c * v for c, v in zip((c for _, _, c in losses if c != 0), parts))
 
 
 def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:
