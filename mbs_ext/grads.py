@@ -161,8 +161,11 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     to one reduction per tensor (only reached when ``.grad`` itself is bf16).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
+    if grads and all(g.dtype == grads[0].dtype and g.device == device for g in grads):
+        groups[device, grads[0].dtype] = grads  # the usual case: one group
+    else:
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
     flags = []
     for (dev, dtype), gs in groups.items():
         if not (dtype == torch.bfloat16 and dev.type == "cuda"):

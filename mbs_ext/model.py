@@ -30,7 +30,7 @@ def members(model: nn.Module) -> Members:
     ``buffers()`` and ``modules()`` each walk the module tree again, which on a deep model
     costs more than the rest of a step's bookkeeping. Shared tensors are listed once, where
     they first appear, as torch's own iterators do."""
-    modules = list(model.modules())
+    modules = _modules(model)
     params: list[nn.Parameter] = []
     buffers: list[torch.Tensor] = []
     seen_params: set[int] = set()
@@ -46,6 +46,24 @@ def members(model: nn.Module) -> Members:
                 seen_buffers.add(id(b))
                 buffers.append(b)
     return Members(modules, params, buffers)
+
+
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """``list(model.modules())``: the distinct modules in the same depth-first order, from the
+    ``_modules`` dicts directly (``modules()`` builds every module's dotted name on the way)."""
+    modules: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        children = m._modules
+        if children:
+            stack.extend(c for c in reversed(children.values()) if c is not None)
+    return modules
 
 
 def trainable(model: nn.Module, found: Members | None = None) -> list[nn.Parameter]:

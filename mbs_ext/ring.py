@@ -14,6 +14,7 @@ batch with ``copy=False`` on a CPU ring) is sliced here with ``narrow`` (or
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from typing import Any
@@ -73,7 +74,16 @@ def split_sizes(rows: int, micro_batch_size: int) -> list[int]:
     """
     rows = _check_int("rows", rows, 0)
     m = _check_int("micro_batch_size", micro_batch_size, 1)
-    return list(_C.split_sizes(rows, m))
+    # A training loop asks for the same few splits every step: short ones are kept.
+    return list(_kept_split(rows, m) if rows <= _KEPT_SPLIT_LENGTH * m else _C.split_sizes(rows, m))
+
+
+_KEPT_SPLIT_LENGTH = 4096  # micro-batches: at most 256 kept splits of 32 KiB each
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_split(rows: int, m: int) -> tuple[int, ...]:
+    return tuple(_C.split_sizes(rows, m))
 
 
 def default_staging_threads(device: torch.device) -> int:
@@ -157,9 +167,10 @@ class RingIterator:
         self._leaves, self._indices, self._sizes, self._stats = leaves, indices, sizes, stats
         # Bytes per row of all leaves together, for the stats (a slice's nbytes is its rows times this).
         self._row_bytes = sum(t.numel() // t.shape[0] * t.element_size() for t in leaves) if leaves else 0
-        # Row ranges of several micro-batches: every view made at once, one split per leaf.
-        several = leaves is not None and indices is None and sizes is not None and len(sizes) > 1
-        self._pieces = [leaf.split(sizes) for leaf in leaves] if several else None
+        # Row ranges (no indices): every view made at once, one split per leaf; a single
+        # micro-batch is the whole leaf.
+        ranges = leaves is not None and indices is None and sizes is not None
+        self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf,) for leaf in leaves] if ranges else None
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)
@@ -181,8 +192,6 @@ class RingIterator:
         self.index, self.rows = j, (start, stop)
         if self._pieces is not None:
             out = [pieces[j] for pieces in self._pieces]
-        elif self._indices is None:
-            out = [leaf[start:stop] for leaf in self._leaves]  # a view, as narrow (which parses slower)
         else:
             idx = self._indices[start:stop]
             out = [leaf.index_select(0, idx) for leaf in self._leaves]

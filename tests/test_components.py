@@ -13,7 +13,7 @@ import torch
 from common import balanced_sizes
 from torch import nn
 
-from mbs_ext import backoff, batch, finish, normalize, options, ranks, ring
+from mbs_ext import backoff, batch, finish, model, normalize, options, ranks, ring
 
 
 class TestStepOptions:
@@ -211,6 +211,22 @@ class TestBackoffPolicy:
         with pytest.raises(torch.OutOfMemoryError):
             backoff.with_backoff(oom, 8, retryable=lambda e: False, fits_at=lambda m: True, free=lambda: None,
                                  remember=lambda m: None)
+
+
+class TestModelWalk:
+    """The step's one walk over a model agrees with torch's own iterators."""
+
+    def test_members_match_modules_parameters_and_buffers(self):
+        shared = nn.Linear(3, 3)
+        frozen = nn.Linear(3, 3).requires_grad_(False)
+        inner = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, frozen))
+        net = nn.ModuleDict({"a": inner, "b": nn.Sequential(nn.Identity(), inner), "c": shared})
+        net.add_module("gone", None)
+        net.b[0].register_buffer("tied", net.a[1].running_mean)  # one buffer under two names
+        found = model.members(net)
+        assert [id(m) for m in found.modules] == [id(m) for m in net.modules()]
+        assert [id(p) for p in found.params] == [id(p) for p in net.parameters() if p.requires_grad]
+        assert [id(b) for b in found.buffers] == [id(b) for b in net.buffers()]
 
 
 class TestRanks:
