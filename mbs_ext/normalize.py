@@ -127,6 +127,7 @@ class Normalizer:
         self.total: Count | None = None  # the global D, once settled
         # 1 + the first micro-batch whose device count is invalid (0: none; -1: only another rank's).
         self.bad: torch.Tensor | float = 0.0
+        self._device_index: list[int] = []  # which counts are device tensors (set by _local_total)
         fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
         self.denom: Count | None = fixed.get(rule.kind)
         self.ahead = ahead  # every count, taken before the first micro-batch (counts_ahead)
@@ -195,7 +196,7 @@ class Normalizer:
         ``extra`` values riding along). Returns the reduced ``extra`` + ``host_tail`` (None on one process)."""
         total = self._local_total()
         # One process, host counts: the losses are read as they are and weighed on the host (check).
-        on_host = self.ranks.group is None and not any(isinstance(c, torch.Tensor) for c in self.counts)
+        on_host = self.ranks.group is None and not self._device_index
         self.loss_sum = None if on_host else _loss_sum(self.losses, self.device)
         self.counted = [(loss, c) for _, loss, c in self.losses if c != 0] if on_host else []  # c != 0: no NaN mean
         reduced = None
