@@ -168,9 +168,11 @@ class RingIterator:
         # Bytes per row of all leaves together, for the stats (a slice's nbytes is its rows times this).
         self._row_bytes = sum(t.numel() // t.shape[0] * t.element_size() for t in leaves) if leaves else 0
         # Row ranges (no indices): every view made at once, one split per leaf; a single
-        # micro-batch is the whole leaf.
+        # micro-batch is a view of the whole leaf (its own tensor, as a split's pieces are:
+        # a loss that calls requires_grad_() on its inputs does not change the caller's batch).
         ranges = leaves is not None and indices is None and sizes is not None
-        self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf,) for leaf in leaves] if ranges else None
+        self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf.detach(),) for leaf in leaves] \
+            if ranges else None
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)

@@ -692,6 +692,19 @@ def test_copy_false_on_cpu_hands_out_views():
     assert stats["micro_batches"] == 3 and stats["bytes"] == 30 * 4 + 10 * 8 and stats["stage_s"] == 0.0
 
 
+@pytest.mark.parametrize("m", [4, 10, 64])  # several micro-batches, exactly one, one capped at the rows
+def test_copy_false_views_are_tensors_of_their_own(m):
+    """A loss that marks its inputs (``requires_grad_()``, as a gradient penalty does) must not
+    change the caller's batch, also when the one micro-batch covers all of it."""
+    data = torch.arange(30.0).reshape(10, 3)
+    views = list(StreamRing("cpu").stream(data, m, copy=False))
+    for mb in views:
+        assert mb is not data and mb.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        mb.requires_grad_(True)
+    assert not data.requires_grad
+    assert torch.equal(torch.cat([mb.detach() for mb in views]), data)
+
+
 def test_copy_false_with_indices_still_gathers():
     data = torch.arange(20.0).reshape(10, 2)
     idx = torch.tensor([9, 0, 0, 5])
