@@ -117,8 +117,7 @@ class Normalizer:
                  ahead: list[float] | None = None) -> None:
         self.rule = rule
         self.num_mb = num_micro_batches
-        self.device = device
-        self.ranks = ranks
+        self.device, self.ranks = device, ranks
         self.summing = rule.kind == "sum"
         self.counts: list[Count] = []
         self.losses: list[tuple[int, torch.Tensor, Count]] = []  # (index, detached loss, count)
