@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import GPU_SHAPES  # noqa: E402
 
 import mbs_ext  # noqa: E402
+from mbs_ext.diagnostics import buffer_layout  # noqa: E402
 
 GRADS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ["fused", "fused_api", "foreach", "flat_add", "copy"]
@@ -63,12 +64,12 @@ class BufferSet:
 
 def _make_set(shapes: list[tuple[int, ...]], grad_dtype: torch.dtype, gen: torch.Generator) -> BufferSet:
     numel = sum(math.prod(s) for s in shapes)
-    flat_acc = torch.randn(numel, device="cuda", generator=gen)
-    accs, offset = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        accs.append(flat_acc.narrow(0, offset, n).view(s))
-        offset += n
+    # Laid out as the step lays out its accumulators: every view starts on a 16-byte
+    # boundary, so the kernels take the vector path the step's calls take.
+    offsets, length = buffer_layout([math.prod(s) for s in shapes], 4)
+    flat = torch.randn(length, device="cuda", generator=gen)
+    accs = [flat.narrow(0, offset, math.prod(s)).view(s) for s, offset in zip(shapes, offsets)]
+    flat_acc = flat.narrow(0, 0, numel)  # the flat ceiling adds as many elements as the views hold
     grads = [torch.randn(s, device="cuda", generator=gen).to(grad_dtype) for s in shapes]
     flat_grad = torch.randn(numel, device="cuda", generator=gen).to(grad_dtype)
     half_bytes = numel * (2 * 4 + flat_grad.element_size()) // 2  # a copy moves 2x its size
@@ -97,9 +98,10 @@ def _check_correct(shapes: list[tuple[int, ...]], grad_dtype: torch.dtype) -> No
     """The kernel must be right before its speed means anything: float64 reference on one set."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     b = _make_set(shapes, grad_dtype, gen)
-    expected = torch.cat([(a.double() + SCALE * g.double()).flatten() for a, g in zip(b.accs, b.grads)])
+    expected = [a.double() + SCALE * g.double() for a, g in zip(b.accs, b.grads)]
     found_inf = mbs_ext.scale_accumulate_(b.accs, b.grads, SCALE)
-    torch.testing.assert_close(b.flat_acc.double(), expected, rtol=2e-6, atol=2e-6)
+    for a, e in zip(b.accs, expected):
+        torch.testing.assert_close(a.double(), e, rtol=2e-6, atol=2e-6)
     assert found_inf.item() == 0.0
 
 

@@ -2,10 +2,10 @@
 
 The one module outside ``mbs_ext.__all__`` that code outside the core imports: probes
 of memory (what autograd saves, the peak of one micro-batch), the unchecked fused op
-(for measuring the cost of the checks), the native module (for the ring's low-level
-tests), the ring's staging-thread default; and for measuring child processes, their
-environment, /proc memory figures, ``malloc_trim`` and thread count, and matplotlib
-for writing figures without a display.
+(for measuring the cost of the checks) and the step's accumulator layout, the native
+module (for the ring's low-level tests), the ring's staging-thread default; and for
+measuring child processes, their environment, /proc memory figures, ``malloc_trim`` and
+thread count, and matplotlib for writing figures without a display.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mbs_ext._native import _C as native
+from mbs_ext.grads import buffer_layout
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
 from mbs_ext.planner import cuda_room
 from mbs_ext.probe import (
@@ -31,6 +32,7 @@ from mbs_ext.ring import default_staging_threads
 __all__ = [
     "PeakTracker",
     "RssPeak",
+    "buffer_layout",
     "child_env",
     "cuda_room",
     "default_staging_threads",

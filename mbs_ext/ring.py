@@ -280,6 +280,9 @@ class StreamRing:
         (or ``index_select`` gathers with ``indices``), when the batch already sits
         on the ring's device, or with ``copy=False`` on a CPU ring without
         ``indices``; views share memory with ``batch``, as ``batch.split(m)`` would.
+        A pinned batch on a CUDA ring is copied straight from its memory on a side stream,
+        also after ``next()`` has handed a micro-batch out: leave it unchanged until the
+        stream has ended and the device has caught up (docs/ring.md).
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
         allowed = (torch.device("cpu"), self.device)

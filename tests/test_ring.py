@@ -463,6 +463,22 @@ def test_cuda_pinned_batch_is_copied_directly(threads):
     assert ring.stats()["staged_bytes"] > 0
 
 
+@needs_cuda
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_cuda_channels_last_batch_keeps_its_values_and_pinned_its_layout(pinned):
+    """A pinned channels_last image batch is read in place: each micro-batch arrives laid out
+    like its rows (channels_last), copied as one block. A pageable one is staged contiguous."""
+    images = torch.randn(23, 3, 5, 4).contiguous(memory_format=torch.channels_last)
+    images = images.pin_memory() if pinned else images
+    ring = StreamRing("cuda")
+    for _ in range(2):  # the second stream takes memory reserved ahead
+        got = list(ring.stream(images, 6))
+        torch.cuda.synchronize()
+        assert torch.equal(torch.cat(got).cpu(), images)
+        assert all(g.is_contiguous(memory_format=torch.channels_last) == pinned for g in got)
+    assert (ring.stats()["staged_bytes"] == 0) == pinned
+
+
 tensor_specs = st.lists(
     st.tuples(
         st.sampled_from([torch.float32, torch.float16, torch.uint8, torch.int64, torch.bool, torch.float64]),

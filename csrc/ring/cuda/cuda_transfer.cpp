@@ -30,6 +30,23 @@ bool order_behind_or_sync(cudaEvent_t ev, cudaStream_t source, cudaStream_t wait
   return marked;
 }
 
+// Device memory for a micro-batch copied from the host rows `rows`: laid out like them
+// when they are dense, so a channels_last image batch read straight from pinned memory
+// stays channels_last and its copy is one block (torch copies between different layouts
+// through a contiguous host temporary, on the consumer's thread and from pageable memory);
+// contiguous otherwise.
+at::Tensor device_like(const at::Tensor& rows, c10::Device device) {
+  const auto options = at::TensorOptions().dtype(rows.scalar_type()).device(device);
+  if (rows.is_non_overlapping_and_dense()) return at::empty_strided(rows.sizes(), rows.strides(), options);
+  return at::empty(rows.sizes(), options);
+}
+
+// Whether `reserved` (from device_like) can take a copy of `rows`.
+bool laid_out_for(const at::Tensor& reserved, const at::Tensor& rows) {
+  if (reserved.sizes() != rows.sizes() || reserved.scalar_type() != rows.scalar_type()) return false;
+  return rows.is_non_overlapping_and_dense() ? reserved.strides() == rows.strides() : reserved.is_contiguous();
+}
+
 class CudaTransfer final : public DeviceTransfer {
  public:
   CudaTransfer(c10::Device device, int slots)
@@ -41,21 +58,31 @@ class CudaTransfer final : public DeviceTransfer {
     prepared_.resize(static_cast<size_t>(slots));
     recorded_.assign(static_cast<size_t>(slots), 0);
     pinned_.resize(static_cast<size_t>(slots));
-    for (auto& ev : copied_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    // The worker waits on these (wait_copied) for most of a stream: blocking sync lets it sleep
+    // there instead of spinning a CPU core the caller's own threads need.
+    for (auto& ev : copied_) {
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync));
+    }
     for (auto& ev : reserved_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
 
   ~CudaTransfer() override {
-    c10::cuda::CUDAGuard guard(device_);
-    // Pending work keeps what it needs; destroying a recorded event is allowed.
-    for (auto ev : copied_) {
-      if (ev) (void)cudaEventDestroy(ev);
+    release_reserved();
+    // Nothing may escape a destructor: the device guard throws when the CUDA runtime is
+    // already going away (at interpreter exit), and then the events go with it.
+    try {
+      c10::cuda::CUDAGuard guard(device_);
+      // Pending work keeps what it needs; destroying a recorded event is allowed.
+      for (auto ev : copied_) {
+        if (ev) (void)cudaEventDestroy(ev);
+      }
+      for (auto ev : reserved_) {
+        if (ev) (void)cudaEventDestroy(ev);
+      }
+      if (ready_) (void)cudaEventDestroy(ready_);
+    } catch (...) {
     }
-    for (size_t slot = 0; slot < prepared_.size(); ++slot) release_prepared(static_cast<int>(slot));
-    for (auto ev : reserved_) {
-      if (ev) (void)cudaEventDestroy(ev);
-    }
-    if (ready_) (void)cudaEventDestroy(ready_);
+    C10_CUDA_CLEAR_ERROR();
   }
 
   // A pinned batch is read by the copy engine directly: no memcpy into a slot.
@@ -94,6 +121,12 @@ class CudaTransfer final : public DeviceTransfer {
     try {
       p.tensors.reserve(leaves.size());
       for (const at::Tensor& leaf : leaves) {  // fresh device memory, owned by the current stream
+        if (!needs_staging(leaf) && rows <= leaf.size(0)) {  // read in place: laid out like its rows
+          p.tensors.push_back(device_like(leaf.narrow(0, 0, rows), device_));
+          continue;
+        }
+        // Staged: a contiguous slot buffer (with indices, a pinned batch is staged too; a
+        // reservation that does not fit is replaced when the micro-batch is enqueued).
         std::vector<int64_t> shape(leaf.sizes().begin(), leaf.sizes().end());
         shape[0] = rows;
         p.tensors.push_back(at::empty(shape, at::TensorOptions().dtype(leaf.scalar_type()).device(device_)));
@@ -116,9 +149,7 @@ class CudaTransfer final : public DeviceTransfer {
     batch.slot = slot;
     Prepared& p = prepared_[static_cast<size_t>(slot)];
     bool fits = p.item == item && p.stream == current.unwrap() && p.tensors.size() == host.size();
-    for (size_t k = 0; fits && k < host.size(); ++k) {
-      fits = p.tensors[k].sizes() == host[k].sizes() && p.tensors[k].scalar_type() == host[k].scalar_type();
-    }
+    for (size_t k = 0; fits && k < host.size(); ++k) fits = laid_out_for(p.tensors[k], host[k]);
     if (fits) {  // reserved earlier: wait only for the work before the reservation
       batch.tensors = std::move(p.tensors);
       p.tensors.clear();
@@ -127,9 +158,7 @@ class CudaTransfer final : public DeviceTransfer {
     } else {
       release_prepared(slot);
       batch.tensors.reserve(host.size());
-      for (const at::Tensor& h : host) {  // fresh device memory, owned by the current stream
-        batch.tensors.push_back(at::empty(h.sizes(), at::TensorOptions().dtype(h.scalar_type()).device(device_)));
-      }
+      for (const at::Tensor& h : host) batch.tensors.push_back(device_like(h, device_));  // owned by the current stream
       // The copy may only write that memory after the current stream's earlier work.
       C10_CUDA_CHECK(cudaEventRecord(ready_, current.stream()));
       C10_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.stream(), ready_, 0));
