@@ -8,8 +8,8 @@ them, sizes differing by at most one (the first ``N % k`` get one row more).
 
 Where nothing needs staging, nothing is staged: a pinned batch is copied straight
 to the GPU by the native ring, and a batch already on the ring's device (or a CPU
-batch with ``copy=False`` on a CPU ring) is sliced here with ``narrow`` (or
-``index_select`` by ``indices``) -- the same iterator, no worker thread.
+batch with ``copy=False`` on a CPU ring) is sliced here into views (or gathered by
+``index_select`` with ``indices``) -- the same iterator, no worker thread.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class RingIterator:
     iterator, an error, or dropping it.
 
     Two sources behind one interface: the native ring (``handle``), or slicing of a
-    batch that already sits where the consumer computes (``leaves``: views by
-    ``narrow``, or ``index_select`` by ``indices``).
+    batch that already sits where the consumer computes (``leaves``: views from
+    one ``split`` per leaf, or ``index_select`` by ``indices``).
     """
 
     __slots__ = (
