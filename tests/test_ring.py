@@ -471,7 +471,7 @@ def test_cuda_channels_last_batch_keeps_its_values_and_pinned_its_layout(pinned)
     images = torch.randn(23, 3, 5, 4).contiguous(memory_format=torch.channels_last)
     images = images.pin_memory() if pinned else images
     ring = StreamRing("cuda")
-    for _ in range(2):  # the second stream takes memory reserved ahead
+    for _ in range(2):  # the ring, its slots and its reservations reused
         got = list(ring.stream(images, 6))
         torch.cuda.synchronize()
         assert torch.equal(torch.cat(got).cpu(), images)
