@@ -133,8 +133,7 @@ class ForwardBackward:
             if settle_now:
                 self._settle()
             return  # zero items: nothing to learn, skip the forward (not under FSDP: collectives)
-        if self.ranks.fsdp:
-            self._gradient_sync(last)
+        self._gradient_sync(last)
         with self.ranks.no_sync():
             with _loss.autocast(self.device, self.options.autocast_dtype):
                 loss = self.loss_call(self.model, mb)
