@@ -35,6 +35,7 @@ def plot_step(step: dict) -> str | None:
         for key, label, style in [
             ("step ms", "mbs_ext.step", "o-"),
             ("hand ms", "hand-written loop", "s--"),
+            ("guarded ms", "hand-written loop + non-finite check", "d-."),
             ("mbp ms", "mbp-pytorch 0.2.6", "^:"),
         ]:
             ax.plot(ks, [r[key] for r in mine], style, label=label)
