@@ -79,7 +79,10 @@ class GradBuffers:
             if not have:
                 continue
             s = scale.to(flag.device) if isinstance(scale, torch.Tensor) else scale
-            accs, grads = [self.views[j] for j in have], [params[j].grad for j in have]
+            # A sparse gradient (nn.Embedding(sparse=True)) adds into its dense buffer like any
+            # other: the buffers, and so the .grad cast from them, are dense.
+            accs = [self.views[j] for j in have]
+            grads = [g.to_dense() if g.is_sparse else g for g in (params[j].grad for j in have)]
             key = tuple(have)
             if key in self.checked:
                 # Same parameters as a call that passed the op's full argument check:
@@ -161,10 +164,13 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     to one reduction per tensor (only reached when ``.grad`` itself is bf16).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    if grads and all(g.dtype == grads[0].dtype and g.device == device for g in grads):
+    if grads and all(g.dtype == grads[0].dtype and g.device == device and not g.is_sparse for g in grads):
         groups[device, grads[0].dtype] = grads  # the usual case: one group
     else:
         for g in grads:
+            # A sparse gradient (nn.Embedding(sparse=True)) holds inf/NaN only in its stored
+            # values: the check runs on those (the fused check takes dense tensors only).
+            g = g._values() if g.is_sparse else g
             groups.setdefault((g.device, g.dtype), []).append(g)
     flags = []
     for (dev, dtype), gs in groups.items():

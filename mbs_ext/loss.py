@@ -72,14 +72,43 @@ def loss_caller(loss_fn: Callable, pair: bool) -> LossCall:
     if not pair:
         raise TypeError("loss_fn is a torch.nn loss module, so batch must be an (inputs, targets) pair")
     checked: list[nn.Module] = []
+    elementwise = issubclass(_builtin_forward(loss_fn) or object, _ELEMENTWISE_LOSSES)
 
     def call(model: nn.Module, micro_batch: Any) -> torch.Tensor:
         if not checked or checked[0] is not model:
             _check_loss_parameters(loss_fn, model)
             checked[:] = [model]
-        return loss_fn(model(micro_batch[0]), micro_batch[1])
+        output, target = model(micro_batch[0]), micro_batch[1]
+        if elementwise:
+            _check_rows_align(loss_fn, output, target)
+        return loss_fn(output, target)
 
     return call
+
+
+# Losses that compare output and target element by element, broadcasting them to one shape.
+_ELEMENTWISE_LOSSES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.KLDivLoss, nn.PoissonNLLLoss,
+                       nn.BCELoss, nn.BCEWithLogitsLoss, nn.SoftMarginLoss)
+
+
+def _check_rows_align(loss_fn: _Loss, output: Any, target: Any) -> None:
+    """Refuse output and target whose rows do not meet row by row: broadcasting them (an
+    ``(N, 1)`` output against an ``(N,)`` target makes ``(N, N)``) mixes the rows of the
+    batch, and no split into micro-batches gives what the whole batch gives."""
+    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return
+    if output.dim() == target.dim() and (output.dim() == 0 or output.shape[0] == target.shape[0]):
+        return
+    try:
+        shape = f"broadcasts them to {tuple(torch.broadcast_shapes(output.shape, target.shape))}"
+    except RuntimeError:
+        shape = "cannot broadcast them"
+    raise ValueError(
+        f"loss_fn={type(loss_fn).__name__} got an output of shape {tuple(output.shape)} and a target of shape "
+        f"{tuple(target.shape)}: torch {shape}, which pairs rows of the batch with other rows, and no split "
+        "into micro-batches gives what the whole batch gives; make the shapes match (e.g. "
+        "model(x).squeeze(-1), or targets.unsqueeze(-1))"
+    )
 
 
 def _check_two_inputs(loss_fn: _Loss) -> None:
@@ -162,11 +191,16 @@ def rule_for(loss_fn: Callable, normalize: Any) -> Rule:
             )
         return rule_of(normalize)
     derived = _derived_rule(loss_fn, base, reduction)
-    if normalize is None or normalize == "micro_batches" or callable(normalize):
-        return derived if normalize is None else rule_of(normalize)
+    if normalize is None:
+        return derived
+    # A mean may be weighed by the caller's own counts (or the papers' 1/M, for comparison);
+    # a sum is exact only added up: counts or 1/M would divide it.
+    if derived.kind != "sum" and (normalize == "micro_batches" or callable(normalize)):
+        return rule_of(normalize)
     if normalize != derived.kind:
+        given = "a count callable" if callable(normalize) else repr(normalize)
         raise ValueError(
-            f"normalize={normalize!r} contradicts loss_fn={name}(reduction={reduction!r}), which "
+            f"normalize={given} contradicts loss_fn={name}(reduction={reduction!r}), which "
             f"{'adds up' if derived.kind == 'sum' else 'averages over ' + derived.source}; "
             "leave normalize unset and mbs_ext normalizes as the loss does"
         )

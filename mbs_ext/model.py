@@ -23,6 +23,9 @@ class Members(NamedTuple):
     modules: list[nn.Module]  # as ``model.modules()``
     params: list[nn.Parameter]  # the distinct ones with requires_grad, as ``parameters()`` orders them
     buffers: list[torch.Tensor]  # the distinct ones, as ``buffers()``
+    # (module, name, tensor) of every buffer slot: a forward may replace a buffer rather than
+    # update it in place (``self.seen = self.seen + n``), and a rollback must put it back.
+    slots: list[tuple[nn.Module, str, torch.Tensor]]
 
 
 def members(model: nn.Module) -> Members:
@@ -33,6 +36,7 @@ def members(model: nn.Module) -> Members:
     modules = _modules(model)
     params: list[nn.Parameter] = []
     buffers: list[torch.Tensor] = []
+    slots: list[tuple[nn.Module, str, torch.Tensor]] = []
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
     for m in modules:
@@ -41,11 +45,14 @@ def members(model: nn.Module) -> Members:
                 seen_params.add(id(p))
                 if p.requires_grad:
                     params.append(p)
-        for b in m._buffers.values():
-            if b is not None and id(b) not in seen_buffers:
-                seen_buffers.add(id(b))
-                buffers.append(b)
-    return Members(modules, params, buffers)
+        if m._buffers:
+            for name, b in m._buffers.items():
+                if b is not None:
+                    slots.append((m, name, b))
+                    if id(b) not in seen_buffers:
+                        seen_buffers.add(id(b))
+                        buffers.append(b)
+    return Members(modules, params, buffers, slots)
 
 
 def _modules(model: nn.Module) -> list[nn.Module]:

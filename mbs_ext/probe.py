@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext.batchnorm import deferred_layers
-from mbs_ext.model import model_device
+from mbs_ext.model import members, model_device
 from mbs_ext.ranks import unwrap
 from mbs_ext.rollback import Snapshot
 
@@ -48,7 +48,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def probing(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore RNG streams, module buffers and ``.grad`` after probe forwards (no trace left)."""
-    snap = Snapshot(list(model.buffers()), device)
+    snap = Snapshot(members(model).slots, device)
     grads = {p: p.grad for p in model.parameters()}
     try:
         yield

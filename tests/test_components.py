@@ -227,6 +227,10 @@ class TestModelWalk:
         assert [id(m) for m in found.modules] == [id(m) for m in net.modules()]
         assert [id(p) for p in found.params] == [id(p) for p in net.parameters() if p.requires_grad]
         assert [id(b) for b in found.buffers] == [id(b) for b in net.buffers()]
+        # Every slot, the tied one under both names: a rollback puts back whatever a forward replaced.
+        expected = {(id(m), name, id(b)) for m in net.modules()
+                    for name, b in m.named_buffers(recurse=False, remove_duplicate=False)}
+        assert {(id(m), name, id(b)) for m, name, b in found.slots} == expected
 
 
 class TestRanks:

@@ -483,11 +483,30 @@ def test_subclass_without_own_forward_reads_the_builtin_rule(m: int):
     assert_exact(case, m)
 
 
+@pytest.mark.parametrize("loss", [nn.MSELoss(), nn.L1Loss(), nn.HuberLoss(reduction="sum")],
+                         ids=lambda loss: type(loss).__name__)
+def test_output_and_target_mixing_rows_are_refused(loss: nn.Module):
+    """An (N, 1) output against an (N,) target broadcasts to (N, N): rows meet other rows, which
+    no split reproduces (torch only warns); refused at the first micro-batch, nothing changed."""
+    torch.manual_seed(0)
+    model = Net(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"output of shape \(4, 1\) and a target of shape \(4,\).*\(4, 4\)"):
+        mbs_ext.step(model, opt, (x_in(), x_in(1).squeeze(1)), loss, micro_batch_size=4)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters()) and model.forwards.item() == 0
+
+
 @pytest.mark.parametrize(("loss", "normalize"), [
     pytest.param(nn.MSELoss(reduction="sum"), "samples", id="MSELoss-sum-vs-samples"),
     pytest.param(nn.MSELoss(), "sum", id="MSELoss-mean-vs-sum"),
+    # Counts or the papers' 1/M would divide a sum: never the full batch's gradient.
+    pytest.param(nn.MSELoss(reduction="sum"), lambda mb: len(mb[1]), id="MSELoss-sum-vs-count"),
+    pytest.param(nn.CrossEntropyLoss(reduction="sum"), lambda mb: (mb[1] != -100).sum(), id="CE-sum-vs-count"),
+    pytest.param(nn.MSELoss(reduction="sum"), "micro_batches", id="MSELoss-sum-vs-micro_batches"),
 ])
-def test_normalize_contradicting_the_loss_is_refused(loss: nn.Module, normalize: str):
+def test_normalize_contradicting_the_loss_is_refused(loss: nn.Module, normalize: Any):
     torch.manual_seed(0)
     model = Net(3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

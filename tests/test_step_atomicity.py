@@ -78,6 +78,47 @@ def test_atomic_on_error_at_every_micro_batch(fail_at, exc_type, deferred_bn, de
     assert_states_match(snapshot(model, opt, scaler), snapshot(f_model, f_opt, f_scaler), rerun_tol(device))
 
 
+class Replacing(nn.Module):
+    """Buffers a forward replaces instead of updating in place (``self.seen = self.seen + n``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(5))
+
+    def forward(self, x):
+        self.seen = self.seen + len(x)
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("outcome", ["failed", "skipped", "planned"])
+def test_buffers_a_forward_replaces_are_put_back(outcome):
+    """After a failed step, a skipped step and the planner's probes the model holds its own
+    buffer tensors again, with their values."""
+    torch.manual_seed(0)
+    model = Replacing().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    originals = dict(model.named_buffers())
+    before = snapshot(model, opt)
+    x, y = pair(12)
+    if outcome == "failed":
+        with pytest.raises(Boom):
+            mbs_ext.step(model, opt, (x, y), failing_at(2, Boom, mse), micro_batch_size=4)
+    elif outcome == "skipped":
+        y[11, 0] = float("nan")
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            assert mbs_ext.step(model, opt, (x, y), mse, micro_batch_size=4).skipped
+    else:
+        mbs_ext.plan_micro_batch(model, (x, y), mse, memory_budget=2**30)
+    assert all(b is originals[name] for name, b in model.named_buffers())
+    assert_bit_identical(snapshot(model, opt), before)
+    # A step that goes through keeps what its forwards made: 12 rows seen.
+    mbs_ext.step(model, opt, (x, pair(12)[1]), mse, micro_batch_size=4)
+    assert model.seen.item() == 12
+
+
 class FailingRing(mbs_ext.StreamRing):
     """A ring that fails while staging micro-batch ``fail_at``."""
 

@@ -121,6 +121,48 @@ def test_frozen_and_unused_parameters(accumulate_dtype, device):
     assert model.unused.weight.grad is None and model.frozen.weight.grad is None
 
 
+class SparseBag(nn.Module):
+    """Token ids -> ``nn.Embedding(sparse=True)`` (autograd gives it sparse gradients) -> a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 6, sparse=True)
+        self.head = nn.Linear(6, 7)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("accumulate_dtype", [None, torch.float64], ids=["grad", "buffers"])
+def test_sparse_embedding_gradients(accumulate_dtype):
+    """The non-finite check reads a sparse gradient's stored values; buffers take it densely."""
+    torch.manual_seed(0)
+    model, opt, ref, ropt = twins(SparseBag().float(), torch.optim.SGD, lr=0.5)
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randint(0, 7, (10, 3), generator=g), torch.randint(0, 7, (10,), generator=g))
+    res = mbs_ext.step(model, opt, batch, nn.CrossEntropyLoss(), micro_batch_size=3,
+                       accumulate_dtype=accumulate_dtype)
+    full_batch_step(ref, ropt, batch, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert not res.skipped
+    assert_models_match(model, ref, 1e-6)
+    assert model.emb.weight.grad.is_sparse == (accumulate_dtype is None)
+
+
+def test_sparse_gradient_holding_inf_skips_the_step():
+    torch.manual_seed(0)
+    model = SparseBag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = snapshot(model, opt)
+    model.emb.weight.register_hook(
+        lambda grad: torch.sparse_coo_tensor(grad._indices(), torch.full_like(grad._values(), math.inf), grad.shape,
+                                             check_invariants=True))
+    batch = (torch.randint(0, 7, (10, 3)), torch.randint(0, 7, (10,)))
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        res = mbs_ext.step(model, opt, batch, nn.CrossEntropyLoss(), micro_batch_size=3)
+    assert res.skipped and math.isfinite(res.loss)
+    assert_bit_identical(snapshot(model, opt), before)
+
+
 # --- the split --------------------------------------------------------------------------------
 
 
