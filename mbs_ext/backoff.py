@@ -68,11 +68,12 @@ def with_backoff(
             origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
             exc.__traceback__ = None
             free()
-            smaller = _found(fits_at, size, agree)
+            probe = _Probe(fits_at)
+            smaller = _found(probe, size, agree)
             if smaller is None:
                 add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                              f"even 1 row{' on some rank' if agree else ''}. Where the error was raised (its "
-                              "frames were freed for the probes):\n" + origin.rstrip())
+                              f"even 1 row{' on some rank' if agree else ''}.{probe.failure} Where the error was "
+                              "raised (its frames were freed for the probes):\n" + origin.rstrip())
                 raise exc from None
             del exc
             warnings.warn(
@@ -83,6 +84,24 @@ def with_backoff(
             )
             remember(smaller)
             size = smaller
+
+
+class _Probe:
+    """``fits_at``, where a probe failing with another error (a BatchNorm refusing one row in
+    training) means that size does not fit: the out-of-memory error stays the one raised, and
+    ``failure`` says what the first such probe hit."""
+
+    def __init__(self, fits_at: Callable[[int], bool]) -> None:
+        self.fits_at = fits_at
+        self.failure = ""
+
+    def __call__(self, size: int) -> bool:
+        try:
+            return self.fits_at(size)
+        except Exception as exc:
+            if not self.failure:
+                self.failure = f" A probe at micro_batch_size={size} failed with {type(exc).__name__}: {exc}."
+            return False
 
 
 def _found(fits_at: Callable[[int], bool], size: int, agree: Callable[[int | None], int | None] | None) -> int | None:

@@ -66,8 +66,9 @@ def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> t
             raise ValueError(
                 f"batch tensors must all be on one device: tensor 0 is on {first}, tensor {k} on {t.device}"
             )
-        if t.layout != torch.strided:
-            raise ValueError(f"batch tensors must be dense (strided), tensor {k} has layout {t.layout}")
+        if t.layout != torch.strided or t.is_nested:
+            what = "is a nested tensor (rows of different sizes; pad them)" if t.is_nested else f"has layout {t.layout}"
+            raise ValueError(f"batch tensors must be dense (strided), tensor {k} {what}")
         if t.dim() == 0:
             raise ValueError(f"batch tensor {k} is 0-dim; every tensor needs a leading batch dimension")
         if n is None:

@@ -94,14 +94,22 @@ def finish(
     return Finished(loss, skipped, grad_norm)
 
 
-def finish_gradients(normalizer: Normalizer, guard: StepGuard, device: torch.device,
-                     agreement: Agreement) -> Finished:
+def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, options: StepOptions,
+                     guard: StepGuard, device: torch.device, agreement: Agreement) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
-    ``.grad`` for the caller's own optimizer step."""
-    read = _read([agreement.failed(), *normalizer.device_values()], device)
-    agreement.raise_if_failed(read[0])
-    loss = normalizer.check(*read[1:])
+    ``.grad`` for the caller's own optimizer step. With ``on_nonfinite="raise"`` a non-finite
+    loss or gradient raises instead (not a gradient under a GradScaler: its overflow is the
+    caller's scaler's to handle), and the step's rollback puts the caller's gradients back."""
+    raising = options.on_nonfinite == "raise"
+    found = sink.nonfinite(False) if raising and options.scaler is None else 0.0
+    read = _read([found, agreement.failed(), *normalizer.device_values()], device)
+    agreement.raise_if_failed(read[1])
+    loss = normalizer.check(*read[2:])
+    if raising and (read[0] != 0 or not math.isfinite(loss)):
+        what = "gradient" if math.isfinite(loss) else "loss"
+        raise FloatingPointError(f"mbs_ext.accumulate: non-finite {what} (loss={loss}) with on_nonfinite='raise'; "
+                                 "the gradients were left as they were")
     guard.commit_statistics()
     return Finished(loss, False, None)
 

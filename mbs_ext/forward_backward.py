@@ -44,7 +44,7 @@ class ForwardBackward:
         # FSDP2: every rank runs as many micro-batches; the extra ones weigh 0 (mbs_ext.sharded).
         self.padded = num_micro_batches if padded is None else padded
         self.index = -1  # micro-batch in progress (>= num_mb: a zero-weight one); padded once all ran
-        self.rows = (0, 0)
+        self.rows: tuple[int, int] | None = (0, 0)
         self.compute_s = 0.0
         # FSDP2: whether the forward of the micro-batch in progress began (FSDP's collectives with
         # it), and whether a failing rank ran the rest at zero weight so that the others' collectives
@@ -72,6 +72,7 @@ class ForwardBackward:
                 self.index = i
                 if self.watch is not None:
                     self.watch.entered = False
+                self.rows = None  # not known until the ring hands the micro-batch out
                 mb = next(micro_batches, _END)
                 if mb is _END:
                     raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")

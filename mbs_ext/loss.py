@@ -92,12 +92,14 @@ _ELEMENTWISE_LOSSES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.
 
 
 def _check_rows_align(loss_fn: _Loss, output: Any, target: Any) -> None:
-    """Refuse output and target whose rows do not meet row by row: broadcasting them (an
-    ``(N, 1)`` output against an ``(N,)`` target makes ``(N, N)``) mixes the rows of the
-    batch, and no split into micro-batches gives what the whole batch gives."""
+    """Refuse output and target whose rows do not meet row by row. Broadcast right-aligned, a
+    leading (row) dimension lands where the other has a trailing one when their numbers of
+    dimensions differ: an ``(N, 1)`` output against an ``(N,)`` target makes ``(N, N)``, every
+    row against every other, and no split into micro-batches gives what the whole batch gives.
+    A 0-dim output (one prediction for every row) meets each row alike."""
     if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
         return
-    if output.dim() == target.dim() and (output.dim() == 0 or output.shape[0] == target.shape[0]):
+    if output.dim() == 0 or output.dim() == target.dim():
         return
     try:
         shape = f"broadcasts them to {tuple(torch.broadcast_shapes(output.shape, target.shape))}"

@@ -117,11 +117,12 @@ def check_framework_optimizer(optimizer: Any) -> None:
         )
 
 
-def check_grad_mode() -> None:
-    """A step computes gradients: refuse a caller's ``torch.no_grad()`` / ``inference_mode()``."""
+def check_grad_mode(caller: str = "mbs_ext.step") -> None:
+    """A step (or a plan's probe) computes gradients: refuse a caller's ``torch.no_grad()`` /
+    ``inference_mode()``."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         raise RuntimeError(
-            "mbs_ext.step was called with gradients disabled (inside torch.no_grad() or "
+            f"{caller} was called with gradients disabled (inside torch.no_grad() or "
             "torch.inference_mode()); call it outside that block"
         )
 

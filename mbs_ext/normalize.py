@@ -241,7 +241,7 @@ class Normalizer:
         """Raise on an invalid count or a zero total; return the mini-batch loss (``read``: :meth:`device_values`)."""
         *parts, total, bad = read
         if bad != 0:
-            raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned one that is not {self._where(bad)}")
+            raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned an invalid count {self._where(bad)}")
         if total == 0:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"

@@ -111,7 +111,10 @@ def _as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
         return scale.detach()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a Python number or a 0-dim tensor, got {type(scale).__name__}")
-    value = float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond any float (10**400)
+        raise ValueError("scale must be finite, got an int too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     # A CPU scalar: the CUDA kernel takes its value as a kernel argument, no copy.

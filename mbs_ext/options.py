@@ -47,7 +47,8 @@ class StepOptions:
       when any trainable parameter is bf16/fp16, otherwise autograd adds into ``.grad``.
     * ``max_grad_norm``: clip the total norm of the final unscaled gradient.
     * ``on_nonfinite``: ``"skip"`` (warn, change nothing but a GradScaler's scale) or
-      ``"raise"`` (FloatingPointError, nothing changed).
+      ``"raise"`` (FloatingPointError, nothing changed). ``accumulate`` takes no step to skip:
+      it leaves a non-finite result in ``.grad``, or raises with ``"raise"``.
     * ``memory_budget``: bytes the step may use, for ``micro_batch_size="auto"``.
     * ``process_group``: a ``torch.distributed`` process group the model is replicated over
       when the step cannot find DistributedDataParallel in it (a wrapper it does not know):

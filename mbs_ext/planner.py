@@ -29,7 +29,7 @@ from torch import nn
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
 from mbs_ext.grads import accumulation_dtype, buffer_layout
-from mbs_ext.model import check_model, model_device, trainable
+from mbs_ext.model import check_grad_mode, check_model, model_device, trainable
 from mbs_ext.options import check_memory_budget
 from mbs_ext.probe import (
     RssPeak,
@@ -316,6 +316,7 @@ def plan_micro_batch(
     memory fraction leave, times a safety factor; on CPU it is required.
     """
     check_model(model)
+    check_grad_mode("mbs_ext.plan_micro_batch")  # its probes run backward
     params = trainable(model)  # raises when nothing is trainable
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

@@ -28,14 +28,19 @@ from mbs_ext._native import _C
 __all__ = ["StreamRing", "RingIterator", "split_sizes", "default_staging_threads"]
 
 
+_INT64_MAX = 2**63 - 1  # what the native ring takes
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if type(value) is int and value >= minimum:  # the usual case, without the ABC check
+    if type(value) is int and minimum <= value <= _INT64_MAX:  # the usual case, without the ABC check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    if value > _INT64_MAX:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {value}")
     return value
 
 

@@ -188,8 +188,9 @@ class MicroBatchStreamer:
         """The gradients of the whole mini-batch in ``.grad`` (replacing what was there), exactly
         normalized, with no optimizer step: :meth:`step` without the update. Running statistics
         of BatchNorm layers are committed once. Gradients stay scaled when a ``scaler`` is given
-        (for the caller's ``scaler.unscale_``/``step``). On any error ``.grad`` and the module
-        buffers are as before."""
+        (for the caller's ``scaler.unscale_``/``step``). A non-finite loss or gradient is left in
+        ``.grad`` for the caller's step to judge; with ``on_nonfinite="raise"`` it raises
+        FloatingPointError instead. On any error ``.grad`` and the module buffers are as before."""
         if self.options.max_grad_norm is not None:
             raise ValueError("max_grad_norm: accumulate() takes no optimizer step, so it does not clip; "
                              "clip in your own step (torch.nn.utils.clip_grad_norm_)")
@@ -260,7 +261,7 @@ class MicroBatchStreamer:
             if stepping:
                 done = finish(call.params, sink, normalizer, opts, self.optimizer, guard, device, agreement)
             else:
-                done = finish_gradients(normalizer, guard, device, agreement)
+                done = finish_gradients(sink, normalizer, opts, guard, device, agreement)
         except BaseException as exc:
             guard.rollback(clear_grads=True)
             if sink is not None:
@@ -368,6 +369,8 @@ class _Progress:
         elif fb.index >= fb.num_mb:
             text = (f"mbs_ext.step: failed at micro-batch {fb.index}, one of zero weight that keeps FSDP's "
                     f"collectives paired with ranks that have more")
+        elif fb.rows is None:
+            text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb}, while the ring made it"
         else:
             of = "indices" if call.info.indices is not None else "the mini-batch"
             text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "

@@ -159,6 +159,20 @@ def test_an_invalid_number_is_a_usage_error_naming_the_option(command, option, v
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["demo", "table"])
+def test_an_output_directory_that_cannot_be_made_is_a_usage_error(command, tmp_path, capsys):
+    """Said before the run, not as a traceback after it: under a file, and a file itself."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out, says in [(blocker / "out", "cannot be created in"), (blocker, "is not a directory")]:
+        with pytest.raises(SystemExit) as info:
+            main([command, "--out", str(out)])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: argument --out: {str(out)!r} {says}" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing left behind
+
+
 def test_a_budget_too_small_for_the_model_is_a_usage_error(tmp_path, capsys):
     # Positive, so it passes the type check; the planner then finds not one sample fits.
     out = tmp_path / "demo"

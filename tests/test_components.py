@@ -93,7 +93,7 @@ class TestNormalizer:
             norm.count(None, r)
         norm.settle()
         loss_sum, total, bad = (float(v) for v in norm.device_values())
-        with pytest.raises(ValueError, match=r"returned one that is not at micro-batch 1 of 3 \(rows \[2, 4\)"):
+        with pytest.raises(ValueError, match=r"returned an invalid count at micro-batch 1 of 3 \(rows \[2, 4\)"):
             norm.check(loss_sum, total, bad)
 
     def test_zero_total_is_an_error(self):
@@ -196,6 +196,30 @@ class TestBackoffPolicy:
             out = backoff.with_backoff(attempt, 40, retryable=lambda e: True, fits_at=lambda m: m <= 10,
                                        free=lambda: None, remember=remembered.append)
         assert out == 10 and tried == [40, 10] and remembered == [10]
+
+    def test_a_probe_failing_otherwise_does_not_fit(self):
+        """A probe raising another error (a BatchNorm refusing one row) counts as not fitting: a
+        smaller size that fits is still found, and when none does, the out-of-memory error is
+        raised with what the probe hit."""
+
+        def attempt(m):
+            if m > 3:
+                raise torch.OutOfMemoryError("injected")
+            return m
+
+        def fits(m):
+            if m in (1, 5):
+                raise ValueError("one row")
+            return m <= 3
+
+        with pytest.warns(RuntimeWarning, match="micro_batch_size=3"):
+            assert backoff.with_backoff(attempt, 10, retryable=lambda e: True, fits_at=fits, free=lambda: None,
+                                        remember=lambda m: None) == 3
+        with pytest.raises(torch.OutOfMemoryError, match="injected") as info:
+            backoff.with_backoff(attempt, 10, retryable=lambda e: True, fits_at=lambda m: fits(1),
+                                 free=lambda: None, remember=lambda m: None)
+        assert any("no micro-batch size that fits" in n and "micro_batch_size=5 failed with ValueError: one row"
+                   in n for n in info.value.__notes__)
 
     def test_other_errors_and_unretryable_ones_propagate(self):
         def boom(m):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -496,6 +497,29 @@ def test_output_and_target_mixing_rows_are_refused(loss: nn.Module):
         mbs_ext.step(model, opt, (x_in(), x_in(1).squeeze(1)), loss, micro_batch_size=4)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters()) and model.forwards.item() == 0
+
+
+class Shared(nn.Module):
+    """One learned prediction for every row: a 0-dim output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros((), dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.value * 1.0
+
+
+@pytest.mark.parametrize("m", SPLITS, ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("case", [
+    # Broadcasts that keep rows apart: an (N, 1) output against (N, 3) targets, a 0-dim output.
+    Case("MSELoss", "broadcast-columns", lambda r: (Net(1), nn.MSELoss(reduction=r), (x_in(), x_in(3)))),
+    Case("L1Loss", "0-dim-output", lambda r: (Shared(), nn.L1Loss(reduction=r), (x_in(), x_in(3)))),
+], ids=lambda c: c.id)
+def test_broadcasts_that_keep_rows_apart_are_exact(case: Case, m: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of any size difference
+        assert_exact(case, m)
 
 
 @pytest.mark.parametrize(("loss", "normalize"), [

@@ -126,6 +126,12 @@ def test_auto_needs_budget_on_cpu():
         mbs_ext.step(model, opt, data((32,)), ce, micro_batch_size="auto", memory_budget="1GB")
 
 
+def test_planning_under_no_grad_names_the_fix():
+    model = mlp()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"plan_micro_batch.*gradients disabled.*outside"):
+        mbs_ext.plan_micro_batch(model, data((32,)), ce, memory_budget=10**9)
+
+
 class OOMAbove(nn.Module):
     """Raises a real torch.OutOfMemoryError when a micro-batch is larger than `limit`,
     from micro-batch `at` on (the first `at` micro-batches succeed)."""

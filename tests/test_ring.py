@@ -277,7 +277,7 @@ def test_new_stream_closes_previous():
     first = ring.stream(data, 4)
     assert torch.equal(next(first), data[:4])
     second = ring.stream(data, 5)
-    with pytest.raises(RuntimeError, match="new stream was started"):
+    with pytest.raises(RuntimeError, match=r"new stream was started.*own streamer, or pass ring=StreamRing"):
         next(first)
     assert torch.equal(torch.cat(list(second)), data)
     assert ring.stats()["micro_batches"] == 8
@@ -414,6 +414,10 @@ def test_ring_validation():
         StreamRing("cpu", slots=2.5)
     with pytest.raises(TypeError, match="slots"):
         StreamRing("cpu", slots=True)
+    with pytest.raises(ValueError, match=r"slots must be at most 2\*\*63 - 1"):  # named, not the binding's error
+        StreamRing("cpu", slots=2**63)
+    with pytest.raises(ValueError, match=r"micro_batch_size must be at most 2\*\*63 - 1"):
+        StreamRing("cpu").stream(torch.arange(4), 2**63, indices=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="device"):
         StreamRing("not-a-device")
     with pytest.raises(ValueError, match="device"):

@@ -189,6 +189,7 @@ def _bad_calls(device: str) -> list[tuple[str, object, type, str]]:
         ("scale-bool", lambda: ([z()], [z()], True), TypeError, "scale"),
         ("scale-complex", lambda: ([z()], [z()], 1j), TypeError, "scale"),
         ("scale-inf", lambda: ([z()], [z()], math.inf), ValueError, "scale must be finite"),
+        ("scale-huge-int", lambda: ([z()], [z()], 10**400), ValueError, "scale must be finite"),
         ("scale-int-tensor", lambda: ([z()], [z()], torch.tensor(2)), TypeError, "scale"),
         ("acc-requires-grad", lambda: ([leaf()], [z()], 1.0), ValueError, r"accumulators\[0\] requires grad"),
         ("grad-requires-grad", lambda: ([z()], [leaf()], 1.0), ValueError, r"grads\[0\] requires grad"),

@@ -160,6 +160,9 @@ def test_atomic_on_ring_error(device):
     with pytest.raises(OSError) as info:
         failing.step(pair(9))
     assert any("micro-batch 2 of 5" in n for n in info.value.__notes__)
+    # Its rows are not known (the ring never handed it out): no stale rows of micro-batch 1.
+    assert any("micro-batch 2 of 5, while the ring made it" in n for n in info.value.__notes__)
+    assert not any("rows [" in n for n in info.value.__notes__)
     assert_bit_identical(snapshot(model, opt), before)
 
 

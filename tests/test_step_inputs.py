@@ -259,6 +259,10 @@ def _bad(kind, device):
         batch = (torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64))
     elif kind == "no_tensor":
         batch = {"a": [1, 2], "b": "x"}
+    elif kind == "nested_tensor":  # layout strided, but no row sizes to split by
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
+            batch = (torch.nested.nested_tensor([torch.randn(2, 5), torch.randn(3, 5)]), torch.randn(2, 3))
     elif kind.startswith("mbs_"):
         kw["micro_batch_size"] = {"mbs_0": 0, "mbs_neg": -2, "mbs_float": 2.0, "mbs_bool": True,
                                   "mbs_str": "big", "mbs_auto": "auto"}[kind]
@@ -303,6 +307,7 @@ def _bad(kind, device):
 BAD = {
     "model": "model", "optimizer": "optimizer", "foreign_optimizer": "optimizer",
     "no_trainable": "trainable", "empty_batch": "empty", "mismatched": "dim-0", "no_tensor": "batch",
+    "nested_tensor": "tensor 0 is a nested tensor",
     "mbs_0": "micro_batch_size", "mbs_neg": "micro_batch_size", "mbs_float": "micro_batch_size",
     "mbs_bool": "micro_batch_size", "mbs_str": "micro_batch_size", "mbs_auto": "memory_budget",
     "loss_not_callable": "loss_fn", "loss_non_tensor": "loss_fn", "loss_non_scalar": "loss_fn",

@@ -216,6 +216,27 @@ def test_nonfinite_skip_changes_nothing_and_warns(device):
     assert_bit_identical(snapshot(model, opt), before)
 
 
+@pytest.mark.parametrize("bad", ["loss", "gradient"])
+def test_accumulate_raise_on_nonfinite_keeps_the_callers_gradients(bad, device):
+    """accumulate leaves a non-finite result in .grad for the caller by default; asked to raise,
+    it raises and the caller's gradients are as they were."""
+    model, _, _, _ = twins(mlp(), device=device)
+    mbs_ext.accumulate(model, pair(10), mse, micro_batch_size=4)
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    x, y = pair(10, seed=3)
+    if bad == "loss":
+        y[9, 0] = float("nan")
+        loss_fn = mse
+    else:
+        def loss_fn(m, b):
+            return ((PoisonGrad.apply(m(b[0]), math.inf) - b[1].to(device)) ** 2).mean()
+    with pytest.raises(FloatingPointError, match=f"non-finite {bad}"):
+        mbs_ext.accumulate(model, (x, y), loss_fn, micro_batch_size=4, on_nonfinite="raise")
+    assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters())
+    res = mbs_ext.accumulate(model, (x, y), loss_fn, micro_batch_size=4)  # "skip": left for the caller
+    assert not res.skipped and not all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_nonfinite_raise(device):
     model, opt, _, _ = twins(mlp(), device=device)
     before = snapshot(model, opt)

@@ -221,7 +221,9 @@ std::optional<std::vector<at::Tensor>> RingIterator::next() {
 
 void RingIterator::check_usable_locked() const {
   TORCH_CHECK(!superseded_,
-              "StreamRing: this stream was closed because a new stream was started on the same ring");
+              "StreamRing: this stream was closed because a new stream was started on the same ring. A ring "
+              "streams one batch at a time, and a MicroBatchStreamer (or mbs_ext.step, per model) keeps one "
+              "ring: give each thread or nested call its own streamer, or pass ring=StreamRing(...)");
   TORCH_CHECK(failed_.empty(), "StreamRing: this stream ended with an error earlier: ", failed_);
 }
 

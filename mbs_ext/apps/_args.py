@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
+import tempfile
+from pathlib import Path
 
 
 def int_at_least(low: int):
@@ -70,3 +73,20 @@ def auto_or_int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= {low}, got {text!r}") from None
 
     return parse
+
+
+def check_output_dir(parser: argparse.ArgumentParser, path: str) -> None:
+    """``--out`` can be made and written (checked before a run, created only at its end): the
+    path is a directory or does not exist yet, and its nearest existing ancestor is a directory
+    this process may write into. Else a usage error, not a traceback after the run."""
+    out = Path(path)
+    start = out
+    while not start.exists() and start.parent != start:
+        start = start.parent
+    if not start.is_dir():
+        where = "is not a directory" if start == out else f"cannot be created in {str(start)!r}"
+        parser.error(f"argument --out: {path!r} {where}")
+    try:  # what mkdir would meet there (permissions, a read-only or virtual file system)
+        os.rmdir(tempfile.mkdtemp(prefix=".mbs-ext-out-", dir=start))
+    except OSError as exc:
+        parser.error(f"argument --out: {path!r} cannot be written in {str(start)!r} ({exc.strerror or exc})")

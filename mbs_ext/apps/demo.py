@@ -58,6 +58,7 @@ def _args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
         args.device = _device(args.device)
     except ValueError as exc:
         p.error(f"argument --device: {exc}")
+    argtypes.check_output_dir(p, args.out)
     return args
 
 

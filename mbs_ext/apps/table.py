@@ -430,13 +430,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and args.out == "mbs_table":
+        args.out = "mbs_table_gpu"
+    if args.child is None:
+        argtypes.check_output_dir(parser, args.out)
     if args.device == "cuda":
         from mbs_ext.apps import table_gpu
 
         args.image_size = 224 if args.image_size == "auto" else args.image_size
-        if args.out == "mbs_table":
-            args.out = "mbs_table_gpu"
         return table_gpu.main(args)
     args.image_size = 32 if args.image_size == "auto" else args.image_size
     if args.child:
