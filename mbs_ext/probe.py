@@ -48,7 +48,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def probing(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore RNG streams, module buffers and ``.grad`` after probe forwards (no trace left)."""
-    snap = Snapshot(members(model).slots, device)
+    snap = Snapshot(members(model), device)
     grads = {p: p.grad for p in model.parameters()}
     try:
         yield

@@ -13,19 +13,17 @@ import contextlib
 import torch
 from torch import nn
 
+from mbs_ext.model import Members
+
 
 class Snapshot:
-    """Copies of a model's buffers, by their ``(module, name, tensor)`` slots
-    (:func:`mbs_ext.model.members`; a buffer shared by several modules is copied once), and of
-    the CPU and device RNG states."""
+    """Copies of a model's distinct buffers and the ``(module, name, tensor)`` slots that hold
+    them (both from the step's walk, :func:`mbs_ext.model.members`), and of the CPU and device
+    RNG states."""
 
-    def __init__(self, slots: list[tuple[nn.Module, str, torch.Tensor]], device: torch.device) -> None:
-        self.slots = slots
-        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for _, _, b in slots:
-            if id(b) not in copies:
-                copies[id(b)] = (b, b.detach().clone())
-        self.buffers = list(copies.values())
+    def __init__(self, found: Members, device: torch.device) -> None:
+        self.slots = found.slots
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = [(b, b.detach().clone()) for b in found.buffers]
         self.device = device
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -88,14 +86,14 @@ class StepGuard:
     the scaler, so that a rollback undoes exactly that.
     """
 
-    def __init__(self, slots: list[tuple[nn.Module, str, torch.Tensor]], params: list[nn.Parameter],
+    def __init__(self, found: Members, params: list[nn.Parameter],
                  optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None,
                  device: torch.device, batchnorms: list) -> None:
         self.params, self.optimizer, self.scaler, self.batchnorms = params, optimizer, scaler, batchnorms
         # Without an optimizer (mbs_ext.accumulate) the caller owns .grad: a failure puts back
         # the gradients it had, rather than clearing them.
         self.old_grads = [p.grad for p in params] if optimizer is None else None
-        self.snapshot = Snapshot(slots, device)
+        self.snapshot = Snapshot(found, device)
         self.scaler_state = ScalerSnapshot(scaler) if scaler is not None else None
         self.unscaled = False
         self.updated = False

@@ -126,7 +126,7 @@ class _Call:
     rule: Rule
     loss_call: Callable[[nn.Module, Any], torch.Tensor]
     batchnorms: list = field(default_factory=list)
-    slots: list = field(default_factory=list)  # the model's buffer slots, for the rollback snapshot
+    found: _model.Members | None = None  # the model's walk: its buffers, for the rollback snapshot
 
 
 class MicroBatchStreamer:
@@ -203,7 +203,7 @@ class MicroBatchStreamer:
         params, device, ranks = self.cache.bind(self.model, self.optimizer, self.options.process_group, found)
         progress = _Progress(ranks)
         try:
-            call = self._check(batch, indices, params, device, ranks, found.slots)
+            call = self._check(batch, indices, params, device, ranks, found)
             with deferring(self.model, found.modules) as call.batchnorms:
                 size, key = self.cache.size_for(self.model, self.options, call)
                 result = backoff.with_backoff(
@@ -218,7 +218,7 @@ class MicroBatchStreamer:
         return result
 
     def _check(self, batch: Any, indices: Any, params: list[nn.Parameter], device: torch.device,
-               ranks: Ranks, slots: list[tuple[nn.Module, str, torch.Tensor]]) -> _Call:
+               ranks: Ranks, found: _model.Members) -> _Call:
         """Every check of a call's inputs, before anything changes."""
         info = _batch.check(batch, indices, device)
         _model.check_scaler_params(self.options.scaler, params, device)
@@ -229,7 +229,7 @@ class MicroBatchStreamer:
         if made is None:  # once per loss reduction and batch kind: their checks need not run every step
             made = self._loss_calls[key] = (_loss.rule_for(self.loss_fn, self.options.normalize),
                                             _loss.loss_caller(self.loss_fn, info.pair))
-        return _Call(params, batch, info, device, ranks, *made, slots=slots)
+        return _Call(params, batch, info, device, ranks, *made, found=found)
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
@@ -237,7 +237,7 @@ class MicroBatchStreamer:
         opts, device = self.options, call.device
         optimizer = self.optimizer if stepping else None
         ranks = call.ranks
-        guard = StepGuard(call.slots, call.params, optimizer, opts.scaler, device, call.batchnorms)
+        guard = StepGuard(call.found, call.params, optimizer, opts.scaler, device, call.batchnorms)
         progress.begin(guard)
         sink = None
         try:
