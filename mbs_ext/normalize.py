@@ -97,12 +97,33 @@ def counts_ahead(rule: Rule, targets: torch.Tensor | None, indices: torch.Tensor
     return [check_count(c, rule.source) for c in counts]
 
 
+def on_trust(rule: Rule, num_micro_batches: int, ranks: Ranks) -> bool:
+    """Whether the count of a rule that reads targets is not taken: a single micro-batch in one
+    process weighs 1 whatever its count, and its mean loss is the mini-batch's. Taking the count
+    would cost an operation over the targets every step (a reduction, then a read). torch's mean
+    over no items (every target ignored, or weighted 0) is NaN, so a count can matter only when
+    the loss is not finite: :meth:`Normalizer.check` takes it then."""
+    return rule.per_row is not None and num_micro_batches == 1 and ranks.group is None
+
+
 def _device_count(value: torch.Tensor, source: str) -> torch.Tensor:
     if value.numel() != 1:
         raise ValueError(f"{INVALID_COUNT}; {source} returned a tensor of shape {tuple(value.shape)}")
     if value.is_complex() or value.dtype == torch.bool:
         raise TypeError(f"{INVALID_COUNT}; {source} returned a tensor of dtype {value.dtype}")
     return value.detach().reshape(()).to(torch.float64)
+
+
+def _called_count(rule: Rule, micro_batch: Any, device: torch.device) -> Count:
+    """The count ``rule`` calls for: checked on the host, or a device tensor checked in
+    :meth:`Normalizer.settle` (on the device, no read)."""
+    value = rule.count(micro_batch)
+    if not isinstance(value, torch.Tensor):
+        return check_count(value, rule.source)
+    c = _device_count(value, rule.source)
+    if c.device.type == "cpu" and device.type != "cpu":
+        return check_count(c, rule.source)  # read on the host: a copy to the device would block
+    return c.to(device)
 
 
 class Normalizer:
@@ -130,6 +151,7 @@ class Normalizer:
         fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
         self.denom: Count | None = fixed.get(rule.kind)
         self.ahead = ahead  # every count, taken before the first micro-batch (counts_ahead)
+        self.trusted: Any = (None,) if on_trust(rule, num_micro_batches, ranks) else None  # (its micro-batch,)
         if ahead is not None:
             self.denom = sum(ahead) or 1.0  # a zero total: every micro-batch is skipped, check() fails
 
@@ -148,8 +170,10 @@ class Normalizer:
             c = 1.0
         elif self.ahead is not None:
             c = self.ahead[len(self.rows_of) - 1]
+        elif self.trusted is not None:
+            c, self.trusted = 1.0, (micro_batch,)
         else:
-            c = self._called_count(micro_batch)
+            c = _called_count(self.rule, micro_batch, self.device)
         self.counts.append(c)
         if self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
@@ -167,16 +191,6 @@ class Normalizer:
         """The total over all ranks, known before the first micro-batch: every weight is exact."""
         if not self.summing:
             self.denom = global_total
-
-    def _called_count(self, micro_batch: Any) -> Count:
-        value = self.rule.count(micro_batch)
-        source = self.rule.source
-        if not isinstance(value, torch.Tensor):
-            return check_count(value, source)
-        c = _device_count(value, source)
-        if c.device.type == "cpu" and self.device.type != "cpu":
-            return check_count(c, source)  # read on the host: a copy to the device would block
-        return c.to(self.device)  # validated in settle(), on the device
 
     def add_loss(self, loss: torch.Tensor, c: Count) -> None:
         """Record the micro-batch's loss; it counts ``c`` times in the mini-batch loss."""
@@ -242,6 +256,9 @@ class Normalizer:
         *parts, total, bad = read
         if bad != 0:
             raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned an invalid count {self._where(bad)}")
+        if self.trusted is not None and self.counts and not all(map(math.isfinite, parts)) \
+                and check_count(self.rule.count(self.trusted[0]), self.rule.source) == 0:
+            total = 0.0  # the count taken on trust (on_trust) was 0
         if total == 0:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"

@@ -40,7 +40,7 @@ from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
 from mbs_ext.grads import make_sink, sink_dtype
 from mbs_ext.messages import add_note
-from mbs_ext.normalize import Normalizer, Rule, counts_ahead
+from mbs_ext.normalize import Normalizer, Rule, counts_ahead, on_trust
 from mbs_ext.options import StepOptions, make_options
 from mbs_ext.ranks import Failure, PeerFailed, Ranks, unwrap
 from mbs_ext.ring import StreamRing, split_sizes
@@ -245,7 +245,8 @@ class MicroBatchStreamer:
             progress.buffers_synced = True  # (a failure inside this collective cannot be joined)
             ranks.sync_buffers()
             sink = make_sink(call.params, device, opts.accumulate_dtype, distributed=ranks.summing)
-            ahead = counts_ahead(call.rule, call.info.targets, call.info.indices, sizes)
+            ahead = None if on_trust(call.rule, len(sizes), ranks) else \
+                counts_ahead(call.rule, call.info.targets, call.info.indices, sizes)
             normalizer = Normalizer(call.rule, rows=call.info.rows, num_micro_batches=len(sizes), device=device,
                                     ranks=ranks, ahead=ahead)
             padded = _agree_sharded(call, normalizer, sizes, progress) if ranks.fsdp else None

@@ -111,6 +111,29 @@ class TestNormalizer:
         norm.settle()
         assert float(norm.loss_sum) == 3.0
 
+    @staticmethod
+    def _one_micro_batch(loss, count):
+        """A class-target rule over one micro-batch with this loss; the count it would take."""
+        calls = []
+        rule = normalize.Rule("count", lambda mb: calls.append(mb) or count, "targets", per_row=lambda t: 1)
+        norm = _normalizer(rule, [4])
+        assert norm.weight(norm.count("mb", (0, 4))) == 1.0  # one micro-batch weighs 1 whatever its count
+        norm.add_loss(torch.tensor(loss, dtype=torch.float64), 1.0)
+        norm.settle()
+        return norm, [float(v) for v in norm.device_values()], calls
+
+    def test_one_micro_batch_takes_no_target_count_while_its_loss_is_finite(self):
+        norm, read, calls = self._one_micro_batch(1.5, 0.0)
+        assert norm.check(*read) == 1.5 and calls == []
+        assert not normalize.on_trust(norm.rule, 2, norm.ranks)  # several micro-batches: counts weigh them
+
+    def test_one_micro_batch_counts_its_targets_when_its_loss_is_not_finite(self):
+        norm, read, calls = self._one_micro_batch(float("nan"), 3.0)
+        assert math.isnan(norm.check(*read)) and calls == ["mb"]  # NaN for another reason: not divided
+        norm, read, calls = self._one_micro_batch(float("nan"), 0.0)
+        with pytest.raises(ValueError, match="sum to 0"):  # torch's mean over no items
+            norm.check(*read)
+
 
 class TestSplitAndValidators:
     def test_split_rule_matches_the_written_out_promise(self):

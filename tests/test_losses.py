@@ -7,7 +7,8 @@ label_smoothing, margins...). A class without a case fails
 :func:`test_every_loss_class_has_cases`, so the walk stays complete when torch adds one.
 
 Each case runs with reduction "mean" (and "batchmean" for KLDivLoss) and "sum" on N=23
-rows at micro_batch_size 4 and 7 (6 and 4 micro-batches of unequal sizes) and is compared
+rows at micro_batch_size 4 and 7 (6 and 4 micro-batches of unequal sizes) and 23 (one micro-batch,
+whose weight is 1 without its count being taken: ``normalize.on_trust``) and is compared
 with one ordinary full-batch step of a deep copy: every parameter's update (stricter than
 the parameter itself) and ``r.loss`` to 1e-10 relative. ``reduction="none"`` is refused
 and leaves parameters, buffers, gradients and optimizer state as they were.
@@ -44,7 +45,7 @@ pytestmark = [
 
 D = torch.float64
 N, F_IN, C = 23, 5, 4
-SPLITS = [4, 7]  # 6 micro-batches (4,4,4,4,4,3) and 4 (6,6,6,5)
+SPLITS = [4, 7, N]  # 6 micro-batches (4,4,4,4,4,3), 4 (6,6,6,5), and one (whose count is not taken)
 IGNORED_ROWS = [0, 1, 2, 3, 4, 5, 9, 14, 20]  # rows 0-5: the whole first micro-batch at m=4 and at m=7
 TOL = 1e-10
 
@@ -497,6 +498,53 @@ def test_output_and_target_mixing_rows_are_refused(loss: nn.Module):
         mbs_ext.step(model, opt, (x_in(), x_in(1).squeeze(1)), loss, micro_batch_size=4)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters()) and model.forwards.item() == 0
+
+
+NOTHING_TO_AVERAGE = [  # a (model, loss, batch) whose loss has no item to average over: torch's mean is NaN
+    pytest.param(lambda: (Net(C), nn.CrossEntropyLoss(ignore_index=-1), (x_in(), torch.full((N,), -1))),
+                 id="CrossEntropyLoss-all-ignored"),
+    pytest.param(lambda: (Net(C), nn.CrossEntropyLoss(ignore_index=-1, label_smoothing=0.2),
+                          (x_in(), torch.full((N,), -1))), id="CrossEntropyLoss-label_smoothing-all-ignored"),
+    pytest.param(lambda: (Net(C, LOG_SOFTMAX), nn.NLLLoss(ignore_index=2), (x_in(), torch.full((N,), 2))),
+                 id="NLLLoss-all-ignored"),
+    pytest.param(lambda: (Net(C), nn.CrossEntropyLoss(weight=torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=D)),
+                          (x_in(), torch.randint(0, 2, (N,)))), id="CrossEntropyLoss-present-classes-weigh-0"),
+    pytest.param(lambda: (lambda m: (m, m.head, (x_in(), torch.full((N,), -100))))(
+        Net(3, head=nn.LinearCrossEntropyLoss(3, C, dtype=D))), id="LinearCrossEntropyLoss-all-ignored"),
+]
+
+
+@pytest.mark.parametrize("m", SPLITS, ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("make", NOTHING_TO_AVERAGE)
+def test_a_mini_batch_with_nothing_to_average_is_an_error(make: Callable[[], tuple], m: int):
+    """Every target ignored (or weighing 0): the mean is undefined. Refused at every split, also at
+    one micro-batch, where the count is taken only once the loss came out non-finite; the model's
+    parameters, buffers, gradients and optimizer state are as before, for step and accumulate."""
+    torch.manual_seed(0)
+    model, loss, batch = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = state_of(model, loss, opt)
+    with pytest.raises(ValueError, match="sum to 0"):
+        mbs_ext.step(model, opt, batch, loss, micro_batch_size=m)
+    assert_unchanged(before, model, loss, opt)
+    with pytest.raises(ValueError, match="sum to 0"):
+        mbs_ext.accumulate(model, batch, loss, micro_batch_size=m)
+    assert_unchanged(before, model, loss, opt)
+
+
+def test_one_micro_batch_with_a_non_finite_loss_keeps_its_count():
+    """At one micro-batch a non-finite loss with targets to count is what it is (not a count of 0):
+    the step is skipped with a warning and reports the loss, which no count divides."""
+    torch.manual_seed(0)
+    model = Net(C)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = x_in()
+    x[7] = float("nan")  # a counted row (IGNORED_ROWS are ignored)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="non-finite loss at micro-batch 0 of 1"):
+        r = mbs_ext.step(model, opt, (x, labels(ignore=-100)), nn.CrossEntropyLoss(), micro_batch_size=N)
+    assert r.skipped and r.num_micro_batches == 1 and r.loss != r.loss  # NaN
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 class Shared(nn.Module):
