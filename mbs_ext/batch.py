@@ -8,8 +8,7 @@ host and never synchronizes with a device, so it is cheap to call once per step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,12 +38,12 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
 
 
-def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> tuple[list[torch.Tensor], int]:
+def check_leaves(batch: Any, allowed: tuple[torch.device, ...], owner: str) -> tuple[list[torch.Tensor], int]:
     """The one batch validator (step, planner and ring): the tensor leaves and their shared row count.
 
     Leaves must be dense, have a batch dimension of the same size N >= 1, and sit on one
-    device among ``allowed`` (``where`` names them for the message: "the CPU or the
-    model's device cuda:0").
+    device among ``allowed``: the CPU, or ``owner``'s device, the last one ("the model's",
+    named in the message as "the CPU or on the model's device cuda:0").
     """
     if not isinstance(batch, (torch.Tensor, tuple, list, dict)) and isinstance(batch, Iterable):
         raise TypeError(
@@ -60,11 +59,13 @@ def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> t
     first = leaves[0].device
     n = None
     for k, t in enumerate(leaves):
-        if t.device not in allowed:
-            raise ValueError(f"batch tensors must be on {where}, tensor {k} is on {t.device}")
-        if t.device != first:
+        device = t.device
+        if device not in allowed:
+            raise ValueError(f"batch tensors must be on the CPU or on {owner} device {allowed[-1]}, "
+                             f"tensor {k} is on {device}")
+        if device != first:
             raise ValueError(
-                f"batch tensors must all be on one device: tensor 0 is on {first}, tensor {k} on {t.device}"
+                f"batch tensors must all be on one device: tensor 0 is on {first}, tensor {k} on {device}"
             )
         if t.layout != torch.strided or t.is_nested:
             what = "is a nested tensor (rows of different sizes; pad them)" if t.is_nested else f"has layout {t.layout}"
@@ -81,8 +82,7 @@ def check_leaves(batch: Any, allowed: tuple[torch.device, ...], where: str) -> t
     return leaves, n
 
 
-@dataclass(frozen=True)
-class BatchInfo:
+class BatchInfo(NamedTuple):
     """What the step needs to know of a checked batch, so that it need not look again."""
 
     rows: int  # of the mini-batch: the batch's, or the number of indices
@@ -96,7 +96,7 @@ def check(batch: Any, indices: Any, device: torch.device) -> BatchInfo:
     """A batch for a model on ``device`` (on the host or on that device), and its optional
     ``indices`` (into the batch as a dataset)."""
     allowed = (_CPU,) if device.type == "cpu" else (_CPU, device)
-    leaves, n = check_leaves(batch, allowed, f"the CPU or on the model's device {device}")
+    leaves, n = check_leaves(batch, allowed, "the model's")
     if indices is not None:
         indices = check_indices(indices, n, allowed)
         n = int(indices.numel())

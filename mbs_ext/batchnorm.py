@@ -27,12 +27,10 @@ different numbers of micro-batches would not all enter.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class _DeferredStats:
@@ -179,9 +177,8 @@ def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
     return [m for m in module.modules() if isinstance(m, _DeferredStats)]
 
 
-@contextlib.contextmanager
-def deferring(model: nn.Module, modules: list[nn.Module]) -> Iterator[list[_DeferredStats]]:
-    """Within the block every BatchNorm of ``model`` defers its statistics; yields the deferred layers.
+def deferring(model: nn.Module, modules: list[nn.Module]) -> _Deferring:
+    """A context in which every BatchNorm of ``model`` defers its statistics; it yields the deferred layers.
 
     ``modules`` is ``list(model.modules())``, which the step has from its one walk over the
     model. Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block (same
@@ -190,6 +187,8 @@ def deferring(model: nn.Module, modules: list[nn.Module]) -> Iterator[list[_Defe
     """
     plain, layers = [], []
     for m in modules:
+        if not isinstance(m, _BatchNorm):  # the one test most modules meet: every step walks them all
+            continue
         if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
             name = next(n for n, x in model.named_modules() if x is m)
             raise ValueError(
@@ -202,16 +201,31 @@ def deferring(model: nn.Module, modules: list[nn.Module]) -> Iterator[list[_Defe
             plain.append(m)
         if isinstance(m, _DeferredStats) or type(m) in _TWINS:
             layers.append(m)
-    swapped = []
-    try:
-        for m in plain:
-            original = type(m)
-            m.__class__ = _TWINS[original]
-            m._deferred_init()
-            swapped.append((m, original))
-        yield layers
-    finally:
-        for m, original in swapped:
+    return _Deferring(plain, layers)
+
+
+class _Deferring:
+    """The block of :func:`deferring` (a class: entered every step, cheaper than a generator's)."""
+
+    def __init__(self, plain: list[nn.Module], layers: list[_DeferredStats]) -> None:
+        self.plain, self.layers = plain, layers
+        self.swapped: list[tuple[nn.Module, type]] = []
+
+    def __enter__(self) -> list[_DeferredStats]:
+        try:
+            for m in self.plain:
+                original = type(m)
+                m.__class__ = _TWINS[original]
+                m._deferred_init()
+                self.swapped.append((m, original))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.layers
+
+    def __exit__(self, *exc: object) -> None:
+        for m, original in self.swapped:
             m.__class__ = original
             for attr in ("_collecting", "_pending"):
                 m.__dict__.pop(attr, None)
+        self.swapped = []

@@ -30,16 +30,24 @@ class Members(NamedTuple):
 
 def members(model: nn.Module) -> Members:
     """The model's modules, trainable parameters and buffers in one walk: ``parameters()``,
-    ``buffers()`` and ``modules()`` each walk the module tree again, which on a deep model
-    costs more than the rest of a step's bookkeeping. Shared tensors are listed once, where
-    they first appear, as torch's own iterators do."""
-    modules = _modules(model)
+    ``buffers()`` and ``modules()`` each walk the module tree again (and ``modules()`` builds
+    every module's dotted name on the way), which on a deep model costs more than the rest of a
+    step's bookkeeping. Modules come depth-first as ``modules()`` orders them; shared modules
+    and tensors are listed once, where they first appear, as torch's own iterators do."""
+    modules: list[nn.Module] = []
     params: list[nn.Parameter] = []
     buffers: list[torch.Tensor] = []
     slots: list[tuple[nn.Module, str, torch.Tensor]] = []
+    seen: set[int] = set()
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
-    for m in modules:
+    stack: list[nn.Module | None] = [model]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
@@ -52,25 +60,9 @@ def members(model: nn.Module) -> Members:
                     if id(b) not in seen_buffers:
                         seen_buffers.add(id(b))
                         buffers.append(b)
+        if m._modules:
+            stack.extend(reversed(m._modules.values()))
     return Members(modules, params, buffers, slots)
-
-
-def _modules(model: nn.Module) -> list[nn.Module]:
-    """``list(model.modules())``: the distinct modules in the same depth-first order, from the
-    ``_modules`` dicts directly (``modules()`` builds every module's dotted name on the way)."""
-    modules: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [model]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        modules.append(m)
-        children = m._modules
-        if children:
-            stack.extend(c for c in reversed(children.values()) if c is not None)
-    return modules
 
 
 def trainable(model: nn.Module, found: Members | None = None) -> list[nn.Parameter]:

@@ -291,7 +291,7 @@ class StreamRing:
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
         allowed = (torch.device("cpu"), self.device)
-        checked, n = _batch.check_leaves(batch, allowed, f"the CPU or on the ring's device {self.device}")
+        checked, n = _batch.check_leaves(batch, allowed, "the ring's")
         if indices is not None:
             indices = _batch.check_indices(indices, n, (torch.device("cpu"), checked[0].device))
         flat, spec, tensor_pos, leaves, plain = _flatten(batch)
