@@ -116,15 +116,24 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
 
 def _read(values: list, device: torch.device) -> list[float]:
     """Host numbers of ``values`` with one device-to-host copy for all the device tensors."""
-    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    read = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
-    if on_device:
+    read: list[float] = []
+    at, parts = [], []
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            read.append(float(v))
+            continue
         # Every value is one element; most are 0-dim on ``device`` already, and each operation
         # saved here is saved on every step. Stacking promotes exactly: the values are float32
         # or float64 (widened, never rounded) or small integer counts.
-        parts = [values[i].detach() if values[i].requires_grad else values[i] for i in on_device]
-        parts = [v if v.dim() == 0 and v.device == device else v.to(device).reshape(()) for v in parts]
-        for i, v in zip(on_device, torch.stack(parts).tolist()):
+        if v.requires_grad:
+            v = v.detach()
+        if v.dim() != 0 or v.device != device:
+            v = v.to(device).reshape(())
+        at.append(len(read))
+        parts.append(v)
+        read.append(0.0)
+    if parts:
+        for i, v in zip(at, torch.stack(parts).tolist()):
             read[i] = v
     return read
 

@@ -29,6 +29,7 @@ __all__ = ["StreamRing", "RingIterator", "split_sizes", "default_staging_threads
 
 
 _INT64_MAX = 2**63 - 1  # what the native ring takes
+_CPU = torch.device("cpu")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -290,10 +291,9 @@ class StreamRing:
         stream has ended and the device has caught up (docs/ring.md).
         """
         m = _check_int("micro_batch_size", micro_batch_size, 1)
-        allowed = (torch.device("cpu"), self.device)
-        checked, n = _batch.check_leaves(batch, allowed, "the ring's")
+        checked, n = _batch.check_leaves(batch, (_CPU, self.device), "the ring's")
         if indices is not None:
-            indices = _batch.check_indices(indices, n, (torch.device("cpu"), checked[0].device))
+            indices = _batch.check_indices(indices, n, (_CPU, checked[0].device))
         flat, spec, tensor_pos, leaves, plain = _flatten(batch)
         where = leaves[0].device
         on_device = where.type != "cpu"
