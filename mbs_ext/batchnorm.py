@@ -215,9 +215,9 @@ class _Deferring:
         try:
             for m in self.plain:
                 original = type(m)
+                self.swapped.append((m, original))  # first: a failing swap is put back too
                 m.__class__ = _TWINS[original]
                 m._deferred_init()
-                self.swapped.append((m, original))
         except BaseException:
             self.__exit__()
             raise

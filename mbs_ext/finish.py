@@ -64,6 +64,10 @@ def finish(
     """Read, decide, and step (or roll back a skipped step)."""
     scaler = options.scaler
     if scaler is not None:
+        if getattr(scaler, "_scale", None) is None:
+            # No loss was scaled (every micro-batch counted 0 items, on a new scaler): unscale_
+            # needs the scale made, and the step must fail with what is wrong (the counts).
+            scaler.scale(torch.zeros((), device=device))
         guard.unscaled = True
         scaler.unscale_(optimizer)
     norm = None

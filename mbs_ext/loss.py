@@ -265,7 +265,9 @@ class _ClassTargetCount:
         keep = target != ignore
         if weight is None:
             return keep.reshape(n, -1).sum(1)
-        return (weight.to(torch.float64)[target.masked_fill(~keep, 0)] * keep).reshape(n, -1).sum(1)
+        # where, not a product with keep: an ignored class's weight may be NaN (torch never reads it).
+        picked = weight.to(torch.float64)[target.masked_fill(~keep, 0)]
+        return torch.where(keep, picked, 0.0).reshape(n, -1).sum(1)
 
 
 def check_loss(loss: Any, device: torch.device) -> None:

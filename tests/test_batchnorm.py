@@ -226,6 +226,25 @@ def test_batchnorm_class_restored_when_a_step_fails():
         assert torch.equal(v, before[k]), k
 
 
+def test_batchnorm_classes_restored_when_a_deferral_fails_midway(monkeypatch):
+    """The second layer's deferral fails: the first and the failing one get their own class back."""
+    from mbs_ext.batchnorm import deferring
+
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    calls = []
+
+    def init(self):
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("injected")
+
+    monkeypatch.setattr(DeferredBatchNorm1d, "_deferred_init", init)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
+        with deferring(model, list(model.modules())):
+            pass
+    assert [type(m) for m in model] == [nn.BatchNorm1d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm1d]
+
+
 def test_sync_batchnorm_in_training_is_refused_before_anything_changes():
     model = BNFirst(nn.SyncBatchNorm(3), 3).double()
     before = {k: v.clone() for k, v in model.state_dict().items()}

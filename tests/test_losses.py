@@ -247,6 +247,9 @@ CASES: list[Case] = [
     pair("CrossEntropyLoss", "ignore_index", C, lambda: labels(ignore=-1), ignore_index=-1),
     pair("CrossEntropyLoss", "weight+ignore_index", C, lambda: labels(ignore=-1), weight=class_weight,
          ignore_index=-1),
+    # torch never reads an ignored class's weight: a NaN there changes nothing.
+    pair("CrossEntropyLoss", "weight-NaN-on-the-ignored-class", C, lambda: labels(ignore=0), ignore_index=0,
+         weight=lambda: torch.cat([torch.tensor([float("nan")], dtype=D), class_weight()[1:]])),
     pair("CrossEntropyLoss", "label_smoothing", C, labels, label_smoothing=0.2),
     pair("CrossEntropyLoss", "weight+ignore_index+label_smoothing", C, lambda: labels(ignore=-1),
          weight=class_weight, ignore_index=-1, label_smoothing=0.2),
@@ -529,6 +532,19 @@ def test_a_mini_batch_with_nothing_to_average_is_an_error(make: Callable[[], tup
     assert_unchanged(before, model, loss, opt)
     with pytest.raises(ValueError, match="sum to 0"):
         mbs_ext.accumulate(model, batch, loss, micro_batch_size=m)
+    assert_unchanged(before, model, loss, opt)
+
+
+@pytest.mark.parametrize("m", SPLITS, ids=lambda m: f"m{m}")
+def test_nothing_to_average_under_a_new_grad_scaler_is_the_same_error(m: int):
+    """No micro-batch scales a loss (each counts 0 items), so a new GradScaler has no scale yet:
+    the step still fails with what is wrong, the counts, and leaves everything as it was."""
+    torch.manual_seed(0)
+    model, loss, batch = Net(C), nn.CrossEntropyLoss(ignore_index=-1), (x_in(), torch.full((N,), -1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = state_of(model, loss, opt)
+    with pytest.raises(ValueError, match="sum to 0"):
+        mbs_ext.step(model, opt, batch, loss, micro_batch_size=m, scaler=torch.amp.GradScaler("cpu"))
     assert_unchanged(before, model, loss, opt)
 
 
