@@ -151,7 +151,8 @@ class Normalizer:
         fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
         self.denom: Count | None = fixed.get(rule.kind)
         self.ahead = ahead  # every count, taken before the first micro-batch (counts_ahead)
-        self.trusted: Any = (None,) if on_trust(rule, num_micro_batches, ranks) else None  # (its micro-batch,)
+        # Counted on trust (on_trust): (the micro-batch, once it came,), to count it in check() if need be.
+        self.trusted: Any = (None,) if on_trust(rule, num_micro_batches, ranks) else None
         if ahead is not None:
             self.denom = sum(ahead) or 1.0  # a zero total: every micro-batch is skipped, check() fails
 
