@@ -151,8 +151,7 @@ class Normalizer:
         fixed = {"samples": float(rows), "micro_batches": float(num_micro_batches), "sum": 1.0}
         self.denom: Count | None = fixed.get(rule.kind)
         self.ahead = ahead  # every count, taken before the first micro-batch (counts_ahead)
-        # Counted on trust (on_trust): (the micro-batch, once it came,), to count it in check() if need be.
-        self.trusted: Any = (None,) if on_trust(rule, num_micro_batches, ranks) else None
+        self.trusted: Any = None  # the micro-batch counted on trust (on_trust), for check() if need be
         if ahead is not None:
             self.denom = sum(ahead) or 1.0  # a zero total: every micro-batch is skipped, check() fails
 
@@ -171,8 +170,8 @@ class Normalizer:
             c = 1.0
         elif self.ahead is not None:
             c = self.ahead[len(self.rows_of) - 1]
-        elif self.trusted is not None:
-            c, self.trusted = 1.0, (micro_batch,)
+        elif on_trust(self.rule, self.num_mb, self.ranks):
+            c, self.trusted = 1.0, micro_batch
         else:
             c = _called_count(self.rule, micro_batch, self.device)
         self.counts.append(c)
@@ -257,8 +256,8 @@ class Normalizer:
         *parts, total, bad = read
         if bad != 0:
             raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned an invalid count {self._where(bad)}")
-        if self.trusted is not None and self.counts and not all(map(math.isfinite, parts)) \
-                and check_count(self.rule.count(self.trusted[0]), self.rule.source) == 0:
+        if self.trusted is not None and not all(map(math.isfinite, parts)) \
+                and check_count(self.rule.count(self.trusted), self.rule.source) == 0:
             total = 0.0  # the count taken on trust (on_trust) was 0
         if total == 0:
             raise ValueError(
