@@ -14,6 +14,15 @@
 # bench_planner, table_gpu. Where one command may run 10 minutes at most, split the
 # parts over several calls, e.g. "tests", then "bench_accumulate_gpu bench_step_gpu
 # bench_ring_gpu", then "bench_planner", then "table_gpu".
+# GPU_CHECK_TAR=FILE also packs everything written to $OUT into one gzipped tar at the end,
+# for a runner that brings back only a few files.
+#
+# With the device tool (15 minutes of device time a task, the machine's start included; 10 a
+# call; 8 files back), a first call whose part limits add up to 580 s (build 180, tests 300,
+# one study 100):
+#   R=$OUT; OUT=/tmp/gc GPU_CHECK_TAR=$R/gpu_check.tgz \
+#     GPU_CHECK_ONLY="tests bench_accumulate_gpu" bash scripts/gpu_check.sh
+# then, on the still-warm machine (the build is kept), "bench_step_gpu bench_ring_gpu".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -91,4 +100,7 @@ fi
 
 printf '\n=== summary (results in %s) ===\n' "$OUT"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+if [ -n "${GPU_CHECK_TAR:-}" ]; then
+  tar -czf "$GPU_CHECK_TAR" -C "$OUT" . && echo "packed into $GPU_CHECK_TAR" || FAILED=1
+fi
 exit "$FAILED"
