@@ -161,8 +161,8 @@ def scale_accumulate_(
     can accumulate into float32 buffers without a cast copy. ``found_inf`` (a 0-dim
     float32 tensor on the tensors' device) is set to 1.0 when any grad holds inf or
     NaN and is never reset here; it is created when not given and returned. Nothing
-    here synchronizes with the GPU: ``scale`` may be a device tensor, and the flag is
-    written on the device.
+    here synchronizes with the GPU: ``scale`` may be a device tensor and is not checked (a
+    non-finite one makes the accumulators non-finite without setting ``found_inf``).
 
     Raises TypeError/ValueError naming the argument for: lists of different lengths,
     non-tensors, non-float or sparse tensors, shape or device mismatches, devices
