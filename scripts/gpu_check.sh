@@ -12,8 +12,7 @@
 # GPU_CHECK_ONLY="tests bench_accumulate_gpu" runs only the named parts (the build always
 # runs): parts are tests, bench_accumulate_gpu, bench_step_gpu, bench_ring_gpu,
 # bench_planner, table_gpu. Where one command may run 10 minutes at most, split the
-# parts over several calls, e.g. "tests", then "bench_accumulate_gpu bench_step_gpu
-# bench_ring_gpu", then "bench_planner", then "table_gpu".
+# parts over several calls (a split for the device tool below).
 # GPU_CHECK_TAR=FILE also packs everything written to $OUT into one gzipped tar at the end,
 # for a runner that brings back only a few files.
 #
