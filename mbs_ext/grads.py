@@ -153,8 +153,19 @@ def rescale_grads(params: list[nn.Parameter], factor: float | torch.Tensor) -> N
     if not isinstance(factor, torch.Tensor) and factor == 1.0:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
+    if not grads:
+        return
+    if not isinstance(factor, torch.Tensor):
         torch._foreach_mul_(grads, factor)
+        return
+    # A device factor (float64 when counts are taken on the device) in each gradient dtype:
+    # foreach's fused launch takes a 0-dim tensor only of the tensors' own dtype, and falls
+    # back to one multiply per gradient otherwise.
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, factor.to(dtype))
 
 
 def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

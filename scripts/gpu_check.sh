@@ -16,12 +16,17 @@
 # GPU_CHECK_TAR=FILE also packs everything written to $OUT into one gzipped tar at the end,
 # for a runner that brings back only a few files.
 #
+# GPU_CHECK_DEADLINE_S=N: no part starts after N seconds, and a part's limit is cut to what is
+# left, so one call never runs past a lease's limit (parts run most important first).
+# GPU_CHECK_JOBS=N runs the tests on N pytest-xdist workers; every test that fails there is
+# then run again alone (part tests_alone), which tells a real failure from two tests meeting
+# on one GPU.
+#
 # With the device tool (15 minutes of device time a task, the machine's start included; 10 a
-# call; 8 files back), a first call whose part limits add up to 580 s (build 180, tests 300,
-# one study 100):
-#   R=$OUT; OUT=/tmp/gc GPU_CHECK_TAR=$R/gpu_check.tgz \
-#     GPU_CHECK_ONLY="tests bench_accumulate_gpu" bash scripts/gpu_check.sh
-# then, on the still-warm machine (the build is kept), "bench_step_gpu bench_ring_gpu".
+# call; 8 files back), one call, as much as fits in 540 s:
+#   R=$OUT; OUT=/tmp/gc GPU_CHECK_TAR=$R/gpu_check.tgz GPU_CHECK_DEADLINE_S=540 GPU_CHECK_JOBS=8 \
+#     GPU_CHECK_TABLE=0 MBS_BENCH_ROUNDS=5 bash scripts/gpu_check.sh
+# then, on the still-warm machine (the build is kept), GPU_CHECK_ONLY= the parts that did not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -34,6 +39,7 @@ declare -a SUMMARY=()
 FAILED=0
 
 wanted() {  # wanted NAME: whether GPU_CHECK_ONLY (default: every part) selects NAME
+  [ "$1" = tests_alone ] && set -- tests  # goes with the tests
   [ -z "${GPU_CHECK_ONLY:-}" ] || [ "$1" = build ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]
 }
 
@@ -46,6 +52,14 @@ part() {  # part NAME LIMIT_S COMMAND...: run one part, log it, record how it we
   if ! wanted "$name"; then
     not_run "$name" "not selected (GPU_CHECK_ONLY)"
     return 0
+  fi
+  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ]; then
+    local left=$((GPU_CHECK_DEADLINE_S - SECONDS))
+    if [ "$left" -lt 30 ]; then
+      not_run "$name" "not run: ${left}s left before GPU_CHECK_DEADLINE_S"
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
   fi
   printf '\n=== %s (limit %ss) ===\n' "$name" "$limit"
   local t0=$SECONDS
@@ -77,7 +91,48 @@ part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA
   "$PY" setup.py build_ext --inplace
 "$PY" -c 'import json, mbs_ext; print(json.dumps(mbs_ext.build_info()))' >> "$OUT/env.txt" 2>&1
 
-part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
+# torch 2.11 on the GPU machine of 2026-11-22: a c10::Error thrown by the extension killed
+# the process. Each case runs with the GPU visible and hidden (an initialized CUDA runtime or
+# the toolchain), and under a debugger for a native backtrace when it dies (gdb, else cuda-gdb,
+# which also debugs code with no kernels).
+cpp_errors() {
+  local dbg; dbg="$(command -v gdb || command -v cuda-gdb || true)"
+  local -a cases=(
+    'import torch, mbs_ext; torch.ops.mbs_ext.scale_accumulate_([torch.zeros(2)], [], torch.tensor(1.0), torch.zeros(()))'
+    'import torch; from mbs_ext._native import _C; _C.split_sizes(10, 0)'
+    'import torch, mbs_ext; torch.ops.mbs_ext.scale_accumulate_([torch.zeros(2, device="cuda")], [], torch.tensor(1.0, device="cuda"), torch.zeros((), device="cuda"))'
+  )
+  local code died=0
+  for code in "${cases[@]}"; do
+    echo "--- $code"
+    for vis in visible hidden; do
+      local rc
+      if [ $vis = visible ]; then timeout 60 "$PY" -X faulthandler -c "$code" 2>&1 | tail -n 4; rc=${PIPESTATUS[0]}
+      else CUDA_VISIBLE_DEVICES= timeout 60 "$PY" -X faulthandler -c "$code" 2>&1 | tail -n 4; rc=${PIPESTATUS[0]}; fi
+      echo "GPU $vis: exit $rc"
+      if [ "$rc" -ge 128 ] && [ "$rc" -ne 124 ]; then
+        died=1
+        [ -n "$dbg" ] && [ $vis = visible ] && timeout 120 "$dbg" -batch -ex run -ex bt -ex "info sharedlibrary" \
+          --args "$PY" -c "$code" 2>&1 | grep -E "^#|signal|libstdc|libgcc|_C\.|libc10" | head -60
+      fi
+    done
+  done
+  { g++ --version | head -1; ldd mbs_ext/_C*.so | grep -E "stdc|gcc_s"; } 2>&1
+  return $died
+}
+part cpp_errors 120 cpp_errors
+
+if [ -n "${GPU_CHECK_JOBS:-}" ]; then
+  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --junitxml="$OUT/tests.xml" tests
+  # Each test that failed among the workers, again alone in one process.
+  failed_ids() { grep -E "^(FAILED|ERROR) tests/" "$OUT/tests.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*$//' | sort -u; }
+  if wanted tests && [ -f "$OUT/tests.log" ] && [ -n "$(failed_ids)" ]; then
+    mapfile -t AGAIN < <(failed_ids)
+    part tests_alone 180 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${AGAIN[@]}"
+  fi
+else
+  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
+fi
 for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu; do
   [ -f "bench/$study.py" ] && part "$study" 100 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
 done

@@ -469,18 +469,50 @@ def test_cuda_pinned_batch_is_copied_directly(threads):
 
 @needs_cuda
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
-def test_cuda_channels_last_batch_keeps_its_values_and_pinned_its_layout(pinned):
-    """A pinned channels_last image batch is read in place: each micro-batch arrives laid out
-    like its rows (channels_last), copied as one block. A pageable one is staged contiguous."""
+def test_cuda_channels_last_batch_keeps_its_values_and_its_layout(pinned):
+    """A channels_last image batch arrives channels_last, pinned or not, gathered or not: a
+    pinned one is read in place (copied as one block), a pageable one staged row by row in
+    its own layout, and with indices the device memory reserved ahead has the staged layout."""
     images = torch.randn(23, 3, 5, 4).contiguous(memory_format=torch.channels_last)
     images = images.pin_memory() if pinned else images
+    idx = torch.randperm(23)[:17]
     ring = StreamRing("cuda")
     for _ in range(2):  # the ring, its slots and its reservations reused
         got = list(ring.stream(images, 6))
         torch.cuda.synchronize()
         assert torch.equal(torch.cat(got).cpu(), images)
-        assert all(g.is_contiguous(memory_format=torch.channels_last) == pinned for g in got)
-    assert (ring.stats()["staged_bytes"] == 0) == pinned
+        assert all(g.is_contiguous(memory_format=torch.channels_last) for g in got)
+        assert (ring.stats()["staged_bytes"] == 0) == pinned
+        got = list(ring.stream(images, 5, indices=idx))
+        torch.cuda.synchronize()
+        assert torch.equal(torch.cat(got).cpu(), images[idx])
+        assert all(g.is_contiguous(memory_format=torch.channels_last) for g in got)
+
+
+@needs_cuda
+def test_cuda_pinned_batch_with_gapped_rows_is_staged():
+    """A pinned batch whose runs of rows are not dense (a column slice) is staged through the
+    pinned slots rather than copied by torch through a temporary."""
+    base = torch.randn(19, 6, 9).pin_memory()
+    ring = StreamRing("cuda")
+    got = list(ring.stream(base[:, :, :4], 5))
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat(got).cpu(), base[:, :, :4])
+    assert ring.stats()["staged_bytes"] == 19 * 6 * 4 * 4
+
+
+def test_cpu_channels_last_batch_arrives_channels_last():
+    """Rows that are dense in another dimension order (channels_last) are staged one block a
+    row in that order, with and without indices, and values are exact."""
+    images = torch.randn(21, 3, 5, 4).contiguous(memory_format=torch.channels_last)
+    idx = torch.randint(0, 21, (30,))
+    ring = StreamRing("cpu")
+    got = list(ring.stream(images, 4))
+    assert torch.equal(torch.cat(got), images)
+    assert all(g.is_contiguous(memory_format=torch.channels_last) for g in got)
+    got = list(ring.stream(images, 7, indices=idx))
+    assert torch.equal(torch.cat(got), images[idx])
+    assert all(g.is_contiguous(memory_format=torch.channels_last) for g in got)
 
 
 tensor_specs = st.lists(

@@ -27,10 +27,12 @@ class DeviceTransfer {
  public:
   virtual ~DeviceTransfer() = default;
   // Whether rows of this batch tensor must be copied by the worker; false when the
-  // transfer can read the batch itself (a pinned batch on a CUDA ring).
+  // transfer can read the batch itself (a pinned batch on a CUDA ring). Asked once per
+  // leaf and stream, only for rows the ring could hand over in place (dense runs of rows,
+  // no indices).
   virtual bool needs_staging(const at::Tensor& leaf) const = 0;
-  // Worker thread: a contiguous host tensor to stage leaf `leaf` of slot `slot` into.
-  virtual at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  // Worker thread: a host tensor of `layout` (dense) to stage leaf `leaf` of slot `slot` into.
+  virtual at::Tensor staging_buffer(int slot, size_t leaf, const HostLayout& layout, at::ScalarType dtype) = 0;
   // Worker thread: blocks until nothing reads `slot`'s staging memory any more.
   virtual void wait_copied(int slot) = 0;
   // Consumer: reserves device memory for micro-batch `item` (in `slot`) on the
@@ -38,7 +40,9 @@ class DeviceTransfer {
   // later waits only for work enqueued before this point (a per-slot event), never
   // for the compute on the micro-batch in use. Optional: enqueue allocates otherwise,
   // so the ring ignores an out-of-memory error here (it leaves nothing reserved).
-  virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) = 0;
+  // `like` has one tensor per leaf with the sizes, strides and dtype the micro-batch will
+  // have on the host (a view of the batch, or a meta tensor for staged rows).
+  virtual void prepare(int64_t item, int slot, const std::vector<at::Tensor>& like) = 0;
   // Consumer: starts moving the staged tensors to the device (CUDA: fresh device
   // tensors on the current stream, copy enqueued on the copy stream). If it throws,
   // nothing it enqueued can still touch memory that is freed or reused afterwards.

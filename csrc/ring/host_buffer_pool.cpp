@@ -4,7 +4,6 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
-#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <memory>
@@ -53,8 +52,8 @@ void HostBufferPool::give_back(void* ptr, size_t nbytes) noexcept {
   c10::GetCPUAllocator()->raw_deallocate(ptr);
 }
 
-at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
-  const int64_t numel = c10::multiply_integers(shape);
+at::Tensor HostBufferPool::empty(const HostLayout& layout, at::ScalarType dtype) {
+  const int64_t numel = c10::multiply_integers(layout.sizes);
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
   void* ptr = nullptr;
   {
@@ -88,7 +87,7 @@ at::Tensor HostBufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
   auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
                                                        std::move(data), c10::GetCPUAllocator(), /*resizable=*/true);
   return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
-      .set_(c10::Storage(std::move(storage)), 0, shape, c10::contiguous_strides(shape));
+      .set_(c10::Storage(std::move(storage)), 0, layout.sizes, layout.strides);
 }
 
 }  // namespace mbs

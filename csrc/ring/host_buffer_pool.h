@@ -16,14 +16,20 @@
 
 namespace mbs {
 
+// Sizes and strides of a dense (non-overlapping, gap-free) host tensor: a staged micro-batch.
+struct HostLayout {
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
 class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
  public:
   explicit HostBufferPool(size_t max_cached);
   ~HostBufferPool();
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
-  // A contiguous CPU tensor on a pooled (or new) buffer; resizable like any other.
-  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype);
+  // A CPU tensor of `layout` on a pooled (or new) buffer; resizable like any other.
+  at::Tensor empty(const HostLayout& layout, at::ScalarType dtype);
   size_t cached() const;
   // Caches up to n free buffers (never lowers the limit).
   void cache_at_least(size_t n);

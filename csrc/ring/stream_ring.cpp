@@ -2,6 +2,8 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <string>
@@ -47,16 +49,30 @@ at::Tensor checked_indices(const std::optional<at::Tensor>& indices, int64_t row
   return out;
 }
 
-// Rows of `t` laid out contiguously one after the other (a row: all dims but 0),
-// with no lazy conjugate/negative bit: they can be copied with memcpy.
-bool rows_are_dense(const at::Tensor& t) {
-  if (t.is_conj() || t.is_neg() || t.is_quantized() || t.stride(0) < 0) return false;
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= 1; --d) {
-    if (t.size(d) != 1 && t.stride(d) != expected) return false;
-    expected *= t.size(d);
+// Strides for a staged micro-batch of `t`'s rows (dim 0 any length). When each row of `t`
+// (all dims but 0) is one gap-free block of memory, in whatever dimension order, the staged
+// rows keep that order and sit one after the other: a row is then copied with one memcpy,
+// and a channels_last image batch arrives channels_last. Otherwise: contiguous, empty when
+// rows cannot be copied as blocks (a lazy conjugate or negative bit, a quantized tensor, a
+// negative row stride, rows that are not dense).
+std::vector<int64_t> block_row_strides(const at::Tensor& t) {
+  if (t.is_conj() || t.is_neg() || t.is_quantized() || t.stride(0) < 0) return {};
+  const auto row_sizes = t.sizes().slice(1);
+  const auto row_strides = t.strides().slice(1);
+  // A metadata-only tensor of one row's layout asks torch's own density rule.
+  if (!at::empty_strided(row_sizes, row_strides, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta))
+           .is_non_overlapping_and_dense()) {
+    return {};
   }
-  return true;
+  std::vector<int64_t> strides{std::max<int64_t>(c10::multiply_integers(row_sizes), 1)};
+  strides.insert(strides.end(), row_strides.begin(), row_strides.end());
+  return strides;
+}
+
+// Whether `t`'s rows are blocks laid one after the other (block_row_strides' layout), so
+// that any run of rows is itself dense and can be copied to the device in one piece.
+bool rows_adjacent(const at::Tensor& t, const std::vector<int64_t>& block_strides) {
+  return !block_strides.empty() && (t.size(0) <= 1 || t.stride(0) == block_strides[0]);
 }
 
 // Rethrows a staging failure with the micro-batch it concerns, keeping the error class.
@@ -132,6 +148,15 @@ RingIterator::RingIterator(c10::Device device, int slots, std::vector<at::Tensor
   }
   // Buffers in flight: the slots, the one enqueued ahead, the one in use and the one being dropped.
   pool->cache_at_least(leaves_.size() * (static_cast<size_t>(slots) + 3));
+  // Per leaf, once per stream: how its rows are staged, and whether the transfer reads them
+  // in place (asking a CUDA ring whether memory is pinned costs a driver query).
+  block_strides_.reserve(leaves_.size());
+  in_place_.reserve(leaves_.size());
+  for (const at::Tensor& leaf : leaves_) {
+    block_strides_.push_back(block_row_strides(leaf));
+    in_place_.push_back(!indices_.defined() && rows_adjacent(leaf, block_strides_.back()) &&
+                        !transfer_->needs_staging(leaf));
+  }
   staged_.resize(static_cast<size_t>(slots));
   stats_->planned.store(items_);
   core_ = std::make_unique<ring_core::RingCore>(slots, items_, [this](int64_t item, int slot) { stage(item, slot); });
@@ -156,16 +181,14 @@ void RingIterator::stage(int64_t item, int slot) {
   for (size_t k = 0; k < leaves_.size(); ++k) {
     const at::Tensor& src = leaves_[k];
     try {
-      if (!indices_.defined() && !transfer_->needs_staging(src)) {  // read by the transfer itself
+      if (in_place_[k]) {  // read by the transfer itself
         out.push_back(src.narrow(0, start, len));
         bytes += static_cast<int64_t>(out.back().nbytes());
         continue;
       }
-      std::vector<int64_t> shape(src.sizes().begin(), src.sizes().end());
-      shape[0] = len;
-      at::Tensor dst = transfer_->staging_buffer(slot, k, shape, src.scalar_type());
+      at::Tensor dst = transfer_->staging_buffer(slot, k, staged_layout(k, len), src.scalar_type());
       const int64_t* idx = indices_.defined() ? indices_.const_data_ptr<int64_t>() + start : nullptr;
-      if (rows_are_dense(src)) {
+      if (!block_strides_[k].empty()) {  // one memcpy per row, in the source's order within a row
         const int64_t elem = static_cast<int64_t>(src.element_size());
         const int64_t row_bytes = (len > 0 ? dst.numel() / len : 0) * elem;
         const char* base = static_cast<const char*>(src.const_data_ptr());
@@ -310,11 +333,38 @@ std::pair<int64_t, int64_t> RingIterator::rows() const {
   return rows_;
 }
 
+HostLayout RingIterator::staged_layout(size_t leaf, int64_t rows) const {
+  HostLayout layout;
+  layout.sizes.assign(leaves_[leaf].sizes().begin(), leaves_[leaf].sizes().end());
+  layout.sizes[0] = rows;
+  const std::vector<int64_t>& block = block_strides_[leaf];
+  if (block.empty()) {
+    const auto contiguous = c10::contiguous_strides(layout.sizes);
+    layout.strides.assign(contiguous.begin(), contiguous.end());
+  } else {
+    layout.strides = block;
+  }
+  return layout;
+}
+
 void RingIterator::prepare_next(int64_t item) {
   if (!reserve_ahead_ || item >= items_) return;
   const auto [start, stop] = ring_core::micro_batch_range(total_rows_, micro_batch_size_, item);
   try {
-    transfer_->prepare(item, static_cast<int>(item % core_->slots()), leaves_, stop - start);
+    // What stage() will hand over for this item: views of in-place leaves, staged layouts
+    // (metadata only) of the others.
+    std::vector<at::Tensor> like;
+    like.reserve(leaves_.size());
+    for (size_t k = 0; k < leaves_.size(); ++k) {
+      const at::TensorOptions meta = at::TensorOptions().dtype(leaves_[k].scalar_type()).device(at::kMeta);
+      if (in_place_[k]) {
+        like.push_back(leaves_[k].narrow(0, start, stop - start));
+      } else {
+        const HostLayout layout = staged_layout(k, stop - start);
+        like.push_back(at::empty_strided(layout.sizes, layout.strides, meta));
+      }
+    }
+    transfer_->prepare(item, static_cast<int>(item % core_->slots()), like);
   } catch (const c10::OutOfMemoryError&) {
     // The reservation is optional: enqueue allocates when the micro-batch's turn comes.
     // Reserving stops for the rest of the stream: under tight memory every attempt would

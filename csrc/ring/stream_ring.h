@@ -80,6 +80,7 @@ class RingIterator {
   DeviceBatch take_pending();
   void copy_ahead();
   void prepare_next(int64_t item);  // reserve device memory for `item`
+  HostLayout staged_layout(size_t leaf, int64_t rows) const;  // of a staged micro-batch
   void end_with_error(std::optional<DeviceBatch>& batch) noexcept;
   void record_position(int64_t item);
   void record_wait();
@@ -94,6 +95,10 @@ class RingIterator {
   const std::shared_ptr<RingStats> stats_;
   const std::shared_ptr<ring_core::WorkerPool> workers_;
   std::unique_ptr<DeviceTransfer> transfer_;
+  // Per leaf, decided once per stream: the staged rows' strides (empty: rows are not blocks,
+  // staged contiguous by torch's copy) and whether the transfer reads the rows in place.
+  std::vector<std::vector<int64_t>> block_strides_;
+  std::vector<char> in_place_;
   // Per slot: what the worker staged (handed over through the core's protocol).
   std::vector<std::vector<at::Tensor>> staged_;
 

@@ -15,12 +15,12 @@ class HostTransfer final : public DeviceTransfer {
 
   bool needs_staging(const at::Tensor& /*leaf*/) const override { return true; }  // fresh tensors promised
 
-  at::Tensor staging_buffer(int /*slot*/, size_t /*leaf*/, at::IntArrayRef shape, at::ScalarType dtype) override {
-    return pool_->empty(shape, dtype);  // handed out as is: a new buffer every time
+  at::Tensor staging_buffer(int /*slot*/, size_t /*leaf*/, const HostLayout& layout, at::ScalarType dtype) override {
+    return pool_->empty(layout, dtype);  // handed out as is: a new buffer every time
   }
 
   void wait_copied(int /*slot*/) override {}
-  void prepare(int64_t, int, const std::vector<at::Tensor>&, int64_t) override {}  // nothing to reserve
+  void prepare(int64_t, int, const std::vector<at::Tensor>&) override {}  // nothing to reserve
 
   DeviceBatch enqueue(int64_t item, int slot, std::vector<at::Tensor> host) override {
     DeviceBatch batch;

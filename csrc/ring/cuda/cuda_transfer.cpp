@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/accumulate.h>
-#include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
 
 #include <vector>
@@ -31,10 +30,10 @@ bool order_behind_or_sync(cudaEvent_t ev, cudaStream_t source, cudaStream_t wait
 }
 
 // Device memory for a micro-batch copied from the host rows `rows`: laid out like them
-// when they are dense, so a channels_last image batch read straight from pinned memory
-// stays channels_last and its copy is one block (torch copies between different layouts
-// through a contiguous host temporary, on the consumer's thread and from pageable memory);
-// contiguous otherwise.
+// when they are dense (the ring stages and hands over only dense rows), so a channels_last
+// image batch stays channels_last and its copy is one block (torch copies between
+// different layouts through a contiguous host temporary, on the consumer's thread and from
+// pageable memory); contiguous otherwise.
 at::Tensor device_like(const at::Tensor& rows, c10::Device device) {
   const auto options = at::TensorOptions().dtype(rows.scalar_type()).device(device);
   if (rows.is_non_overlapping_and_dense()) return at::empty_strided(rows.sizes(), rows.strides(), options);
@@ -52,18 +51,23 @@ class CudaTransfer final : public DeviceTransfer {
   CudaTransfer(c10::Device device, int slots)
       : device_(device), copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())) {
     c10::cuda::CUDAGuard guard(device_);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     copied_.assign(static_cast<size_t>(slots), nullptr);
     reserved_.assign(static_cast<size_t>(slots), nullptr);
     prepared_.resize(static_cast<size_t>(slots));
     recorded_.assign(static_cast<size_t>(slots), 0);
     pinned_.resize(static_cast<size_t>(slots));
-    // The worker waits on these (wait_copied) for most of a stream: blocking sync lets it sleep
-    // there instead of spinning a CPU core the caller's own threads need.
-    for (auto& ev : copied_) {
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync));
+    try {  // a constructor that throws runs no destructor: the events made so far go here
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+      // The worker waits on these (wait_copied) for most of a stream: blocking sync lets it
+      // sleep there instead of spinning a CPU core the caller's own threads need.
+      for (auto& ev : copied_) {
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync));
+      }
+      for (auto& ev : reserved_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    } catch (...) {
+      destroy_events();
+      throw;
     }
-    for (auto& ev : reserved_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
 
   ~CudaTransfer() override {
@@ -72,14 +76,7 @@ class CudaTransfer final : public DeviceTransfer {
     // already going away (at interpreter exit), and then the events go with it.
     try {
       c10::cuda::CUDAGuard guard(device_);
-      // Pending work keeps what it needs; destroying a recorded event is allowed.
-      for (auto ev : copied_) {
-        if (ev) (void)cudaEventDestroy(ev);
-      }
-      for (auto ev : reserved_) {
-        if (ev) (void)cudaEventDestroy(ev);
-      }
-      if (ready_) (void)cudaEventDestroy(ready_);
+      destroy_events();
     } catch (...) {
     }
     C10_CUDA_CLEAR_ERROR();
@@ -88,12 +85,12 @@ class CudaTransfer final : public DeviceTransfer {
   // A pinned batch is read by the copy engine directly: no memcpy into a slot.
   bool needs_staging(const at::Tensor& leaf) const override { return !leaf.is_pinned(); }
 
-  at::Tensor staging_buffer(int slot, size_t leaf, at::IntArrayRef shape, at::ScalarType dtype) override {
+  at::Tensor staging_buffer(int slot, size_t leaf, const HostLayout& layout, at::ScalarType dtype) override {
     // Worker thread only. The slot's byte buffer for this leaf grows when needed;
     // with balanced micro-batches the first one is the largest, so it never does.
     auto& bufs = pinned_[static_cast<size_t>(slot)];
     if (bufs.size() <= leaf) bufs.resize(leaf + 1);
-    const int64_t nbytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t nbytes = c10::multiply_integers(layout.sizes) * static_cast<int64_t>(c10::elementSize(dtype));
     at::Tensor& buf = bufs[leaf];
     if (!buf.defined() || buf.numel() < nbytes) {
       c10::cuda::CUDAGuard guard(device_);
@@ -101,7 +98,7 @@ class CudaTransfer final : public DeviceTransfer {
                       at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(true));
     }
     return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
-        .set_(buf.storage(), 0, shape, c10::contiguous_strides(shape));
+        .set_(buf.storage(), 0, layout.sizes, layout.strides);
   }
 
   void wait_copied(int slot) override {
@@ -112,25 +109,16 @@ class CudaTransfer final : public DeviceTransfer {
     C10_CUDA_CHECK(cudaEventSynchronize(copied_[static_cast<size_t>(slot)]));
   }
 
-  void prepare(int64_t item, int slot, const std::vector<at::Tensor>& leaves, int64_t rows) override {
+  void prepare(int64_t item, int slot, const std::vector<at::Tensor>& like) override {
     Prepared& p = prepared_[static_cast<size_t>(slot)];
     if (p.item == item) return;
     release_prepared(slot);
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     try {
-      p.tensors.reserve(leaves.size());
-      for (const at::Tensor& leaf : leaves) {  // fresh device memory, owned by the current stream
-        if (!needs_staging(leaf) && rows <= leaf.size(0)) {  // read in place: laid out like its rows
-          p.tensors.push_back(device_like(leaf.narrow(0, 0, rows), device_));
-          continue;
-        }
-        // Staged: a contiguous slot buffer (with indices, a pinned batch is staged too; a
-        // reservation that does not fit is replaced when the micro-batch is enqueued).
-        std::vector<int64_t> shape(leaf.sizes().begin(), leaf.sizes().end());
-        shape[0] = rows;
-        p.tensors.push_back(at::empty(shape, at::TensorOptions().dtype(leaf.scalar_type()).device(device_)));
-      }
+      p.tensors.reserve(like.size());
+      // Fresh device memory, owned by the current stream, laid out as enqueue will need it.
+      for (const at::Tensor& rows : like) p.tensors.push_back(device_like(rows, device_));
       // The copy may write that memory once the current stream's work so far is done.
       C10_CUDA_CHECK(cudaEventRecord(reserved_[static_cast<size_t>(slot)], current.stream()));
     } catch (...) {
@@ -225,6 +213,21 @@ class CudaTransfer final : public DeviceTransfer {
     std::vector<at::Tensor> tensors;
     c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   };
+
+  // Events are created in the constructor only; a null one was never made. Device guard held.
+  void destroy_events() noexcept {
+    // Pending work keeps what it needs; destroying a recorded event is allowed.
+    for (auto& ev : copied_) {
+      if (ev) (void)cudaEventDestroy(ev);
+      ev = nullptr;
+    }
+    for (auto& ev : reserved_) {
+      if (ev) (void)cudaEventDestroy(ev);
+      ev = nullptr;
+    }
+    if (ready_) (void)cudaEventDestroy(ready_);
+    ready_ = nullptr;
+  }
 
   // Unused reserved memory goes back to its stream's pool; nothing was written to it.
   void release_prepared(int slot) noexcept {
