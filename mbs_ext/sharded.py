@@ -91,7 +91,7 @@ def _summing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
     saved = []
     for m in modules:
         # FSDP2 offers setters but no getters: the settings are read from its parameter groups.
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = _param_groups(m)
         saved.append([(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
                        g.all_reduce_grads) for g in groups])
         m.set_gradient_divide_factor(1.0)
@@ -104,6 +104,17 @@ def _summing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
             for g, factor, force_sum, reduce_grads, all_reduce_grads in group_settings:
                 g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
                 g.reduce_grads, g.all_reduce_grads = reduce_grads, all_reduce_grads
+
+
+def _param_groups(module: nn.Module) -> list:
+    """The FSDP parameter groups of one ``fully_shard`` module: a list in newer torch, one group
+    or none (``_fsdp_param_group``) in torch 2.11."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def set_gradient_sync(modules: tuple[nn.Module, ...], on: bool) -> None:

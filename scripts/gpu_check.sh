@@ -91,36 +91,9 @@ part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA
   "$PY" setup.py build_ext --inplace
 "$PY" -c 'import json, mbs_ext; print(json.dumps(mbs_ext.build_info()))' >> "$OUT/env.txt" 2>&1
 
-# torch 2.11 on the GPU machine of 2026-11-22: a c10::Error thrown by the extension killed
-# the process. Each case runs with the GPU visible and hidden (an initialized CUDA runtime or
-# the toolchain), and under a debugger for a native backtrace when it dies (gdb, else cuda-gdb,
-# which also debugs code with no kernels).
-cpp_errors() {
-  local dbg; dbg="$(command -v gdb || command -v cuda-gdb || true)"
-  local -a cases=(
-    'import torch, mbs_ext; torch.ops.mbs_ext.scale_accumulate_([torch.zeros(2)], [], torch.tensor(1.0), torch.zeros(()))'
-    'import torch; from mbs_ext._native import _C; _C.split_sizes(10, 0)'
-    'import torch, mbs_ext; torch.ops.mbs_ext.scale_accumulate_([torch.zeros(2, device="cuda")], [], torch.tensor(1.0, device="cuda"), torch.zeros((), device="cuda"))'
-  )
-  local code died=0
-  for code in "${cases[@]}"; do
-    echo "--- $code"
-    for vis in visible hidden; do
-      local rc
-      if [ $vis = visible ]; then timeout 60 "$PY" -X faulthandler -c "$code" 2>&1 | tail -n 4; rc=${PIPESTATUS[0]}
-      else CUDA_VISIBLE_DEVICES= timeout 60 "$PY" -X faulthandler -c "$code" 2>&1 | tail -n 4; rc=${PIPESTATUS[0]}; fi
-      echo "GPU $vis: exit $rc"
-      if [ "$rc" -ge 128 ] && [ "$rc" -ne 124 ]; then
-        died=1
-        [ -n "$dbg" ] && [ $vis = visible ] && timeout 120 "$dbg" -batch -ex run -ex bt -ex "info sharedlibrary" \
-          --args "$PY" -c "$code" 2>&1 | grep -E "^#|signal|libstdc|libgcc|_C\.|libc10" | head -60
-      fi
-    done
-  done
-  { g++ --version | head -1; ldd mbs_ext/_C*.so | grep -E "stdc|gcc_s"; } 2>&1
-  return $died
-}
-part cpp_errors 120 cpp_errors
+# torch 2.11 on the GPU machine: a fault message made inside the extension killed the
+# process; scripts/gpu_diag.sh builds with two compilers and runs the cases against both.
+part cpp_errors 240 env OUT="$OUT/diag" bash scripts/gpu_diag.sh
 
 if [ -n "${GPU_CHECK_JOBS:-}" ]; then
   part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --junitxml="$OUT/tests.xml" tests

@@ -226,8 +226,11 @@ def _rank_loop(rank: int) -> dict:
     set up the gloo group; Accelerate finds it through the launcher's variables."""
     from ddp_harness import HOST
 
+    # Both ranks on the CPU (cpu=True) with the GPUs hidden: on a one-GPU machine Accelerate's
+    # barrier would otherwise name device `rank` (CUDA is initialized lazily, after this line).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(RANK_ROWS)),
-                      LOCAL_WORLD_SIZE=str(len(RANK_ROWS)), MASTER_ADDR=HOST, MASTER_PORT="0")
+                      LOCAL_WORLD_SIZE=str(len(RANK_ROWS)), MASTER_ADDR=HOST, MASTER_PORT="0",
+                      CUDA_VISIBLE_DEVICES="")
     # The scheduler steps once per optimizer step, as in one process (by default Accelerate
     # steps it once per process, assuming the global batch grew with the processes).
     acc = Accelerator(cpu=True, step_scheduler_with_optimizer=False)

@@ -58,6 +58,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+HAS_LINEAR_CE = hasattr(nn, "LinearCrossEntropyLoss")
+needs_linear_ce = pytest.mark.skipif(not HAS_LINEAR_CE, reason="this torch has no nn.LinearCrossEntropyLoss")
 LOSS_CLASSES = sorted(
     name
     for name, cls in vars(torch_losses).items()
@@ -266,11 +268,13 @@ CASES: list[Case] = [
          weight=class_weight),
     pair("NLLLoss2d", "2-d+weight+ignore_index", C * 4, lambda: labels(2, 2, ignore=-1), post=log_softmax_over(2, 2),
          weight=class_weight, ignore_index=-1),
-    linear_ce("class-index", labels),
-    linear_ce("weight+ignore_index", lambda: labels(ignore=-100), weight=class_weight),
-    linear_ce("weight+ignore_index+label_smoothing", lambda: labels(ignore=1), weight=class_weight, ignore_index=1,
-              label_smoothing=0.2),
-    linear_ce("prob-target+weight", lambda: probs(C), weight=class_weight),
+    *([  # newer torch only (not in 2.11)
+        linear_ce("class-index", labels),
+        linear_ce("weight+ignore_index", lambda: labels(ignore=-100), weight=class_weight),
+        linear_ce("weight+ignore_index+label_smoothing", lambda: labels(ignore=1), weight=class_weight,
+                  ignore_index=1, label_smoothing=0.2),
+        linear_ce("prob-target+weight", lambda: probs(C), weight=class_weight),
+    ] if HAS_LINEAR_CE else []),
     multi("GaussianNLLLoss", "default", lambda: (x_in(), x_in(3)), 6, gaussian_call),
     multi("GaussianNLLLoss", "full", lambda: (x_in(), x_in(3)), 6, gaussian_call, full=True),
     multi("CosineEmbeddingLoss", "margin=0.2", lambda: (x_in(), x_in(), signs()), 3, embed_pair_call, margin=0.2),
@@ -424,6 +428,7 @@ def test_multi_input_loss_refused_on_the_nn_path(case: Case):
     assert_unchanged(before, model, loss, opt)
 
 
+@needs_linear_ce
 def test_linear_cross_entropy_with_parameters_outside_the_model_is_refused():
     """The step normalizes, rolls back and zeroes only the model's parameters: a loss owning
     trainable parameters the model does not hold is refused (make it a submodule of the model)."""
@@ -513,7 +518,8 @@ NOTHING_TO_AVERAGE = [  # a (model, loss, batch) whose loss has no item to avera
     pytest.param(lambda: (Net(C), nn.CrossEntropyLoss(weight=torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=D)),
                           (x_in(), torch.randint(0, 2, (N,)))), id="CrossEntropyLoss-present-classes-weigh-0"),
     pytest.param(lambda: (lambda m: (m, m.head, (x_in(), torch.full((N,), -100))))(
-        Net(3, head=nn.LinearCrossEntropyLoss(3, C, dtype=D))), id="LinearCrossEntropyLoss-all-ignored"),
+        Net(3, head=nn.LinearCrossEntropyLoss(3, C, dtype=D))), id="LinearCrossEntropyLoss-all-ignored",
+        marks=needs_linear_ce),
 ]
 
 

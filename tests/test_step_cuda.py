@@ -253,9 +253,11 @@ from test_step_cuda import OOM_CAP, mse, oom_data, oom_model
 out, mode = sys.argv[1], sys.argv[2]
 batch = oom_data()
 # What torch keeps for itself once a forward and backward ran (cuBLAS workspaces of the
-# main and the autograd thread): the baseline for "nothing left behind" below.
+# main and the autograd thread), and mbs_ext once a step ran (the non-finite check's 1.0 per
+# device): the baseline for "nothing left behind" below.
 warm = oom_model().cuda()
-warm(batch[0][:8].cuda()).sum().backward()
+mbs_ext.step(warm, torch.optim.SGD(warm.parameters(), lr=0.1), (batch[0][:8], batch[1][:8]), mse,
+             micro_batch_size=4)
 del warm
 gc.collect()
 baseline = torch.cuda.memory_allocated()
