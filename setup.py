@@ -3,13 +3,24 @@
 CUDA sources are compiled whenever the installed torch has CUDA and a CUDA toolkit
 is found -- a GPU is not needed to compile. ``MBS_EXT_CUDA=0`` forces a CPU-only
 build, ``MBS_EXT_CUDA=1`` turns a missing toolkit into an error.
+
+The C++ compiler must link the shared C++ runtime (libstdc++.so): a copy of libstdc++ linked
+into the extension (a compiler that adds ``-static-libstdc++``) formats numbers through a
+second locale registry inside the torch process, and every message with a number in it
+(each argument check) ends the process with SIGSEGV. Such a compiler is replaced by one on
+the machine that links it shared, or the build stops and says why (see
+docs/known-issues.md).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
+import subprocess
+import sysconfig
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -46,6 +57,65 @@ def _find_cuda_home() -> str | None:
         if (home / "include" / "cuda_runtime.h").is_file() and (home / "bin" / "nvcc").exists():
             return str(home.resolve())
     return None
+
+
+_PROBE_SOURCE = "#include <sstream>\nint mbs_probe() { std::ostringstream s; s << 1; return int(s.str().size()); }\n"
+
+
+def links_shared_runtime(cxx: str) -> bool | None:
+    """Whether ``cxx`` links a shared object against the shared C++ runtime, read from the
+    dynamic section of a one-line probe it builds; None when that cannot be told (the
+    compiler or readelf is missing or fails)."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp, "probe.cpp"), Path(tmp, "probe.so")
+        src.write_text(_PROBE_SOURCE)
+        try:
+            built = subprocess.run([*shlex.split(cxx), "-shared", "-fPIC", str(src), "-o", str(lib)],
+                                   capture_output=True, timeout=120)
+            if built.returncode != 0:
+                return None
+            dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    if dynamic.returncode != 0:
+        return None
+    needed = [line for line in dynamic.stdout.splitlines() if "(NEEDED)" in line]
+    return any("libstdc++" in line or "libc++" in line for line in needed)
+
+
+def choose_cxx(env: dict[str, str]) -> dict[str, str] | None:
+    """``CC``/``CXX`` to build with when the compiler the build would use links its own copy of
+    the C++ runtime (see the module docstring); None to keep it. Raises when no compiler on
+    the machine links the shared runtime."""
+    current = env.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    if links_shared_runtime(current) is not False:
+        return None
+    tried = [current]
+    for cxx in ("/usr/bin/g++", "/usr/bin/c++", "g++", "c++", "clang++"):
+        path = shutil.which(cxx)
+        if path is None or path in tried or Path(path).resolve() == Path(shutil.which(current) or current).resolve():
+            continue
+        tried.append(path)
+        if links_shared_runtime(path):
+            cc = {"g++": "gcc", "c++": "cc", "clang++": "clang"}[Path(path).name]
+            return {"CXX": path, "CC": shutil.which(cc, path=str(Path(path).parent)) or path}
+    raise RuntimeError(
+        f"mbs_ext: the C++ compiler {current!r} links its own copy of libstdc++ into shared objects "
+        "(-static-libstdc++), and an extension built so crashes inside torch on its first message "
+        f"with a number in it; no other compiler found links the shared runtime (tried {tried}). "
+        "Set CXX (and CC) to a compiler that links libstdc++.so, e.g. the distribution's g++."
+    )
+
+
+def _use_shared_runtime() -> None:
+    chosen = choose_cxx(dict(os.environ))
+    if chosen is not None:
+        print(f"mbs_ext: {os.environ.get('CXX') or 'the default C++ compiler'} links libstdc++ statically into "
+              f"shared objects; building with CXX={chosen['CXX']} CC={chosen['CC']} instead (see setup.py)")
+        os.environ.update(chosen)
 
 
 def _want_cuda() -> bool:
@@ -118,10 +188,12 @@ def _extension():
 def main() -> None:
     from torch.utils.cpp_extension import BuildExtension
 
+    _use_shared_runtime()
     setup(
         ext_modules=[_extension()],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     )
 
 
-main()
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers
+    main()

@@ -86,9 +86,7 @@ def _raise(fault: tuple[str, str] | None) -> None:
     """Raises a fault the C++ scan reports as ``("type" | "value", message)``.
 
     The scan returns faults rather than raising them, so the error is raised here, in
-    Python: a c10::Error thrown out of the extension (through the dispatcher or a binding)
-    crashes the process on some torch 2.11 builds (GCC 13.3), so on this path no bad
-    argument ever makes C++ throw.
+    Python, as the Python class the message names.
     """
     if fault is not None:
         kind, message = fault

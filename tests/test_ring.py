@@ -20,15 +20,6 @@ from mbs_ext.diagnostics import os_threads
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
-# On torch 2.11 (the GPU machine's, GCC 13.3) a c10::Error thrown inside the extension
-# kills the interpreter (SIGSEGV) instead of reaching Python; 2.13 and 2.14 raise as they
-# should. The public API validates in Python first; these tests drive the C++ checks.
-cpp_errors_reach_python = pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
-    reason="torch < 2.13: a C++ error thrown in the extension crashes the process (open defect)",
-)
-
-
 def make_tensor(shape, dtype, gen):
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
@@ -197,7 +188,6 @@ def test_indices_int32_accepted():
     assert torch.equal(torch.cat(out), data[idx.long()])
 
 
-@cpp_errors_reach_python
 def test_bad_indices_refused_by_the_native_ring_too():
     # Python validates indices with its own messages; the native ring, which gathers
     # rows by raw pointer, still refuses out-of-range ones on its own.
@@ -208,7 +198,6 @@ def test_bad_indices_refused_by_the_native_ring_too():
         ring.open([torch.arange(10.0)], 3, torch.tensor([-1, 1]))
 
 
-@cpp_errors_reach_python
 def test_worker_error_surfaces_in_the_caller():
     # A micro-batch too big to allocate: the worker's allocation fails, and the error
     # (still an out-of-memory error, so step's back-off sees it) reaches next().
@@ -684,7 +673,6 @@ print("kept", n_kept)
 
 
 @needs_cuda
-@cpp_errors_reach_python
 def test_cuda_out_of_memory_mid_stream_loses_nothing_and_leaks_nothing(tmp_path):
     # A real cap, in a child process of its own (nothing reserved before it, and a crash
     # cannot take the suite down): the caller keeps every micro-batch, so the ring's device

@@ -273,11 +273,8 @@ import re, sys, torch
 sys.path.insert(0, {tests!r})
 import test_scale_accumulate as t
 failures = []
-makers = [(t._bad_calls, lambda a: t.mbs_ext.scale_accumulate_(*a))]
-if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13):
-    # torch 2.11 (GCC 13.3 build): a c10::Error thrown inside the extension crashes the
-    # process (open defect); the Python API above never lets a bad call reach C++.
-    makers.append((t._raw_bad_calls, lambda a: torch.ops.mbs_ext.scale_accumulate_(*a)))
+makers = [(t._bad_calls, lambda a: t.mbs_ext.scale_accumulate_(*a)),
+          (t._raw_bad_calls, lambda a: torch.ops.mbs_ext.scale_accumulate_(*a))]
 for maker, call in makers:
     for name, make_args, error, match in maker({device!r}):
         print(f"{{maker.__name__}} {{name}}", flush=True)  # the last line names a case that crashed
