@@ -58,6 +58,7 @@ class GradBuffers:
         self.found_inf: list[torch.Tensor] = []  # one 0-dim float32 flag per device
         self.got = [False] * len(params)
         self.checked: set[tuple[int, ...]] = set()
+        self.sum_nonfinite: torch.Tensor | None = None  # set by finish(): inf/NaN in the final sums
         groups: dict[torch.device, list[int]] = {}
         for j, p in enumerate(params):
             groups.setdefault(p.device, []).append(j)
@@ -115,6 +116,9 @@ class GradBuffers:
         self.mul_(factor)
         if group is not None:
             self.all_reduce(group)
+        # Finite micro-batch gradients can add up past the buffer dtype's range, here or in
+        # the sum over ranks: one fused check of the final sums (equal on every rank).
+        self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
         for j, p in enumerate(self.params):
             if got_any[j]:
                 # A gradient of its own (never a view that would keep the whole buffer
@@ -289,7 +293,11 @@ class BufferSink:
         self.bufs.finish(factor, got_any, group)
 
     def nonfinite(self, clipping: bool) -> torch.Tensor:
+        """inf/NaN in any micro-batch's gradient (on any rank), in the rescaled sums (after the
+        sum over ranks: a float32 sum of finite gradients can overflow), or on the cast into fp16."""
         found = self.found if self.found is not None else self.bufs.nonfinite(self.device)
+        if self.bufs.sum_nonfinite is not None:
+            found = torch.maximum(found, self.bufs.sum_nonfinite.to(self.device))
         return torch.maximum(found, overflow_on_cast(self.params, self.device))
 
     def release(self) -> None:

@@ -237,6 +237,38 @@ def test_accumulate_raise_on_nonfinite_keeps_the_callers_gradients(bad, device):
     assert not res.skipped and not all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def _overflowing_sum(dtype: torch.dtype, device) -> tuple[nn.Module, torch.Tensor]:
+    """A weight of 0 and rows of 2e38: every micro-batch's loss (0) and gradient (2e38) are
+    finite, their float32 sum (4e38) is not."""
+    model = nn.Linear(1, 1, bias=False).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model, torch.full((3, 1), 2e38, dtype=dtype)
+
+
+def _sum_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x.to(model.weight.device)).float().sum()
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_an_overflowing_sum_of_finite_gradients_is_not_stepped(dtype, on_nonfinite, device):
+    """bf16 parameters accumulate in float32 buffers: a sum that overflows there is skipped or
+    raised exactly as float32 parameters' own .grad sum is (the reference), never stepped."""
+    model, x = _overflowing_sum(dtype, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    kwargs = dict(micro_batch_size=1, normalize="sum", on_nonfinite=on_nonfinite)
+    if on_nonfinite == "raise":
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            mbs_ext.step(model, opt, x, _sum_loss, **kwargs)
+    else:
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            res = mbs_ext.step(model, opt, x, _sum_loss, **kwargs)
+        assert res.skipped and res.loss == 0.0
+    assert_bit_identical(snapshot(model, opt), before)
+
+
 def test_nonfinite_raise(device):
     model, opt, _, _ = twins(mlp(), device=device)
     before = snapshot(model, opt)
