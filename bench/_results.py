@@ -1,16 +1,37 @@
-"""Writes one study's results to bench/results/ as JSON and a Markdown table."""
+"""Where the studies write (:func:`results_dir`, the one rule), and one study's results as JSON and a Markdown table."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).parent / "results"
+COMMITTED = Path(__file__).resolve().parent / "results"  # the figures the docs quote
+SCRATCH = Path(tempfile.gettempdir()) / "mbs_ext-bench"
+
+
+def results_dir(sub: str = "") -> Path:
+    """The folder a study writes to, made if missing; every study and ``bench/report.py`` ask here.
+
+    ``$MBS_BENCH_OUT`` when set (as given; ``scripts/gpu_check.sh`` sets it); else, with
+    ``MBS_BENCH_UPDATE=1``, ``bench/results/<sub>``, the committed figures; else a scratch folder,
+    ``<tmp>/mbs_ext-bench/<sub>``. Running a study to see what it measures must not overwrite the
+    figures the docs quote, which came from a quiet machine: replacing them is asked for.
+    """
+    if os.environ.get("MBS_BENCH_OUT"):
+        out = Path(os.environ["MBS_BENCH_OUT"])
+    elif os.environ.get("MBS_BENCH_UPDATE") == "1":
+        out = COMMITTED / sub
+    else:
+        out = SCRATCH / sub
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def machine() -> dict:
@@ -24,10 +45,10 @@ def machine() -> dict:
 
 
 def write(study: str, data: dict, table: list[dict], note: str = "") -> Path:
-    """Save `data` (+ machine facts) to <study>.json and `table` rows to <study>.md."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Save `data` (+ machine facts) to <study>.json and `table` rows to <study>.md in :func:`results_dir`."""
+    out = results_dir()
     payload = {"study": study, "machine": machine(), **data}
-    (RESULTS_DIR / f"{study}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out / f"{study}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [f"# {study}", ""]
     if note:
         lines += [note, ""]
@@ -37,9 +58,10 @@ def write(study: str, data: dict, table: list[dict], note: str = "") -> Path:
         lines.append("|" + "---|" * len(cols))
         for row in table:
             lines.append("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
-    (RESULTS_DIR / f"{study}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{study}.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
-    return RESULTS_DIR / f"{study}.json"
+    print(f"wrote {out / study}.json and .md")
+    return out / f"{study}.json"
 
 
 def _fmt(value) -> str:

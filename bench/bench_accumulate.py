@@ -72,7 +72,7 @@ def test_accumulate(benchmark, model, case):
 
 
 def test_report():
-    """Ratios of the medians above; written to bench/results/accumulate.{json,md}."""
+    """Ratios of the medians above; written to accumulate.{json,md} (bench/_results.py says where)."""
     if len(_medians) < len(MODELS) * len(CASES) * len(METHODS):
         pytest.skip("run the whole module to get the report")
     from _results import write
@@ -112,7 +112,7 @@ def test_call_overhead(benchmark):
     a call carries thousands of small tensors (the per-pair argument checks run in C++).
 
     On a GPU the kernel is asynchronous, so host work per call is all the caller waits
-    for; on this CPU it adds to the kernel's time. Written to bench/results/accumulate_calls.*.
+    for; on this CPU it adds to the kernel's time. Written to accumulate_calls.* (bench/_results.py says where).
     """
     from _results import write
     from shapes import tiny_shapes

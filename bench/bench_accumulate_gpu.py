@@ -1,8 +1,9 @@
 """GPU study of the fused ``scale_accumulate_`` kernel against the memory-bandwidth ceilings.
 
 Run: ``pytest bench/bench_accumulate_gpu.py`` (skips without a GPU) or
-``python bench/bench_accumulate_gpu.py``. Results go to ``$MBS_BENCH_OUT`` (default
-``bench/results/gpu/``) as ``accumulate_gpu.json`` and ``accumulate_gpu.md``.
+``python bench/bench_accumulate_gpu.py``. Results go where ``bench/_results.py:results_dir("gpu")``
+says (``$MBS_BENCH_OUT``; ``bench/results/gpu/`` with ``MBS_BENCH_UPDATE=1``; else a scratch
+folder) as ``accumulate_gpu.json`` and ``accumulate_gpu.md``.
 
 What is compared, on the same float32 accumulators (views into one flat buffer, as
 ``mbs_ext.step`` keeps them) and per-parameter grads (float32, or bf16 accumulated in
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -49,7 +49,6 @@ SCALE = 0.125
 WARMUP_ROUNDS = 3
 ROUNDS = 15
 L2_MULTIPLE = 4  # buffer sets together span at least this many L2 caches
-DEFAULT_OUT = Path(__file__).parent / "results" / "gpu"
 
 
 @dataclass
@@ -211,7 +210,9 @@ def write(results: list[dict], out: Path) -> Path:
 
 def run_all() -> Path:
     results = [measure(name, grad_key) for name in GPU_SHAPES for grad_key in GRADS]
-    return write(results, Path(os.environ.get("MBS_BENCH_OUT", DEFAULT_OUT)))
+    from _results import results_dir
+
+    return write(results, results_dir("gpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,7 +13,8 @@ like a batch that already sits in host memory.
 
 Expected: MBS is flat in B (its activations are micro-batch sized), the full-batch step
 grows linearly with B. ``pytest bench/bench_memory.py`` runs it and writes
-``bench/results/memory.{json,md,png}``.
+``memory.{json,md,png}`` where ``bench/_results.py`` says (``bench/results/`` with
+``MBS_BENCH_UPDATE=1``, else a scratch folder).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from pathlib import Path
 from mbs_ext.diagnostics import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (16, 64, 256, 1024, 4096)
 MICRO = 16
 STEPS = 2
@@ -174,7 +174,10 @@ def measure(sizes=SIZES, micro: int = MICRO, steps: int = STEPS) -> dict:
     }
 
 
-def write_results(res: dict, out: Path = RESULTS) -> dict[str, Path]:
+def write_results(res: dict, out: Path | None = None) -> dict[str, Path]:
+    from _results import results_dir
+
+    out = results_dir() if out is None else out
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "memory.json", "md": out / "memory.md", "png": out / "memory.png"}
     paths["json"].write_text(json.dumps(res, indent=2))

@@ -17,7 +17,8 @@ before the step, and ``torch.cuda.memory_reserved`` (the allocator's footprint).
     python -m pytest bench/bench_planner.py -q -s     # CPU rows; CUDA rows where a GPU exists
     python bench/bench_planner.py --case cnn 200 cpu  # one case, one JSON line
 
-Writes ``planner.json``/``.md``/``.png`` to ``$MBS_BENCH_OUT`` (default ``bench/results/``).
+Writes ``planner.json``/``.md``/``.png`` where ``bench/_results.py:results_dir`` says (a scratch
+folder unless ``MBS_BENCH_UPDATE=1`` or ``$MBS_BENCH_OUT``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-OUT = Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results"))
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
@@ -276,7 +276,9 @@ def test_planner_accuracy() -> None:
         rows += [run_case(name, b * CUDA_SCALE, "cuda", rows=CUDA_ROWS.get(name, 1 << 16))
                  for name, spec in MODELS.items() for b in spec[3]]
     assert rows, "no device selected"
-    write(rows, OUT)
+    from _results import results_dir
+
+    write(rows, results_dir())
     for r in rows:
         print(r)
     assert all(r["backoffs"] == 0 for r in rows)

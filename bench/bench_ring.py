@@ -18,7 +18,8 @@ Target: ring <= 1.1 * max(S, C) per micro-batch (serial is about S + C).
 Also: the ring's staging alone (no compute) in GB/s with ``staging_threads`` 1 and 2,
 for a gather by indices and a contiguous copy -- the ring's own pool, measured here
 after ``torch.set_num_threads(1)`` to show it does not follow torch's thread count.
-Results go to bench/results/ring.json and bench/results/ring.md.
+Results go to ring.json and ring.md where bench/_results.py says (bench/results/ with
+MBS_BENCH_UPDATE=1, else a scratch folder).
 
 Run:  python -m pytest bench/bench_ring.py -q    (pytest-benchmark)
   or  python bench/bench_ring.py
@@ -31,14 +32,12 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from mbs_ext import StreamRing
 
-RESULTS = Path(__file__).parent / "results"
 N_IMAGES = 20000
 IMAGE = 64
 SUBSAMPLE = 16
@@ -188,8 +187,10 @@ def staging_scaling(rounds: int = 5, threads: tuple[int, ...] = (1, 2)) -> dict:
 
 
 def write_results(result: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "ring.json").write_text(json.dumps(result, indent=2) + "\n")
+    from _results import results_dir
+
+    out = results_dir()
+    (out / "ring.json").write_text(json.dumps(result, indent=2) + "\n")
     ms, ratios, wl = result["ms_per_micro_batch"], result["ratios"], result["workload"]
     lines = [
         "# StreamRing benchmark (CPU, staging-heavy)",
@@ -226,7 +227,8 @@ def write_results(result: dict) -> None:
             *[f"| {k} | {v:.2f} |" for k, v in result["staging_GBps"].items()],
             "",
         ]
-    (RESULTS / "ring.md").write_text("\n".join(lines))
+    (out / "ring.md").write_text("\n".join(lines))
+    print(f"wrote {out / 'ring'}.json and .md")
 
 
 def test_bench_ring(benchmark) -> None:

@@ -19,7 +19,8 @@ synchronization before every clock read:
                         loop (copy then compute, no synchronize) -- once in a fresh
                         state and once after ``torch.set_num_threads(N)``.
 
-Results: JSON, Markdown and a plot in $MBS_BENCH_OUT (default bench/results/gpu/),
+Results: JSON, Markdown and a plot where ``bench/_results.py:results_dir("gpu")`` says ($MBS_BENCH_OUT;
+bench/results/gpu/ with MBS_BENCH_UPDATE=1; else a scratch folder),
 with the GPU name and torch version. Skipped without a GPU.
 
 Run:  python -m pytest bench/bench_ring_gpu.py -q -s    or    python bench/bench_ring_gpu.py
@@ -49,7 +50,9 @@ CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 
 
 def out_dir() -> Path:
-    return Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results" / "gpu"))
+    from _results import results_dir
+
+    return results_dir("gpu")
 
 
 def cores() -> int:

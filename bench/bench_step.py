@@ -194,7 +194,7 @@ def test_accumulate_path(benchmark, model_name):
 
 
 def test_report():
-    """Ratios of medians, written to bench/results/step.{json,md}."""
+    """Ratios of medians, written to step.{json,md} (bench/_results.py says where)."""
     from _results import write
 
     rows, data = [], {}

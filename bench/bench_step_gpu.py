@@ -11,7 +11,8 @@ Workloads (issue "a GPU step with no per-micro-batch host sync"):
 Every variant runs interleaved with the others, each step timed between two
 ``torch.cuda.synchronize()``, after warm-up; medians over rounds. Host syncs per step
 are counted with ``torch.cuda.set_sync_debug_mode("warn")`` at 4 and 32 micro-batches.
-Results: JSON + Markdown in ``$MBS_BENCH_OUT`` (default ``bench/results/gpu/``).
+Results: JSON + Markdown where ``bench/_results.py:results_dir("gpu")`` says (``$MBS_BENCH_OUT``;
+``bench/results/gpu/`` with ``MBS_BENCH_UPDATE=1``; else a scratch folder).
 Skipped without a GPU.
 
     python -m pytest bench/bench_step_gpu.py -q -s
@@ -26,7 +27,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +37,6 @@ import mbs_ext
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-OUT = Path(os.environ.get("MBS_BENCH_OUT", Path(__file__).parent / "results" / "gpu"))
 ROUNDS = int(os.environ.get("MBS_BENCH_ROUNDS", "7"))
 WARMUP = 2
 IGNORE = -100
@@ -136,16 +135,19 @@ def hand_loop(model, opt, batch, loss_call, m, autocast_dtype, counts: list[floa
 
 
 def write(study: str, rows: list[dict], extra: dict) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+    from _results import results_dir
+
+    out = results_dir("gpu")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": ROUNDS}
-    (OUT / f"{study}.json").write_text(json.dumps({"study": study, **meta, **extra, "rows": rows}, indent=2) + "\n")
+    (out / f"{study}.json").write_text(json.dumps({"study": study, **meta, **extra, "rows": rows}, indent=2) + "\n")
     cols = list(rows[0]) if rows else []
     lines = [f"# {study}", "", f"{meta['gpu']}, torch {meta['torch']}, medians of {ROUNDS} interleaved rounds", ""]
     if cols:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
                   for r in rows]
-    (OUT / f"{study}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{study}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / study}.json and .md")
 
 
 def _resnet_rows() -> list[dict]:

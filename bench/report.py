@@ -1,9 +1,9 @@
-"""Turn one benchmark run into bench/results/README.md and PNG plots.
+"""Turn one benchmark run into a README.md and PNG plots in the studies' results folder.
 
-Usage: ``pytest bench/ --benchmark-json=bench/results/benchmark.json`` then
-``python bench/report.py bench/results/benchmark.json``. The per-study JSON files the
-benchmarks write next to it (accumulate, step, ring, memory) supply the ratios; the
-pytest-benchmark JSON supplies the raw timing table.
+Usage: ``pytest bench/ --benchmark-json=FILE`` then ``python bench/report.py FILE``. The
+per-study JSON files the benchmarks wrote (accumulate, step, ring, memory) supply the ratios;
+the pytest-benchmark JSON supplies the raw timing table. The folder is the studies' own
+(``bench/_results.py``): a scratch folder, or ``bench/results/`` with ``MBS_BENCH_UPDATE=1``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import json
 import sys
 from pathlib import Path
 
+from _results import results_dir
+
 from mbs_ext.diagnostics import pyplot
 
 plt = pyplot()
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 
 
 def _load(name: str) -> dict | None:

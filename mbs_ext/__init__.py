@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnostics: reachable after `import mbs_ext`)
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
-from mbs_ext.batchnorm import convert_batchnorm
+from mbs_ext.batchnorm import BatchNormWarning, convert_batchnorm
+from mbs_ext.cached import CachedLoss, forward
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.options import StepOptions
 from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ranks import PeerFailed
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
+from mbs_ext.streamable import check_streamable
 
 
 def build_info() -> dict:
@@ -32,6 +35,8 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "BatchNormWarning",
+    "CachedLoss",
     "MicroBatchPlan",
     "MicroBatchStreamer",
     "PeerFailed",
@@ -41,7 +46,9 @@ __all__ = [
     "__version__",
     "accumulate",
     "build_info",
+    "check_streamable",
     "convert_batchnorm",
+    "forward",
     "plan_micro_batch",
     "scale_accumulate_",
     "step",

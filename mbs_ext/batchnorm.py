@@ -23,14 +23,24 @@ become their twins for the step and return to their own class after it), so
 ``convert_batchnorm`` only makes the deferral permanent. ``nn.SyncBatchNorm`` in
 training mode is refused: its forward is a collective over the ranks, which ranks with
 different numbers of micro-batches would not all enter.
+
+The limit above is silent in the numbers (gradients a few percent off, nothing
+non-finite), and the README promises the full-batch step, so a step that streams more than
+one micro-batch through a BatchNorm normalizing with batch statistics says so once per
+model (:class:`BatchNormWarning`, :func:`warn_split_statistics`).
 """
 
 from __future__ import annotations
+
+import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from mbs_ext.messages import caller_stacklevel
 
 
 class _DeferredStats:
@@ -178,17 +188,20 @@ def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
 
 
 def deferring(model: nn.Module, modules: list[nn.Module]) -> _Deferring:
-    """A context in which every BatchNorm of ``model`` defers its statistics; it yields the deferred layers.
+    """A context in which every BatchNorm of ``model`` defers its statistics; it yields the deferred
+    layers and the BatchNorm layers normalizing with batch statistics (for :func:`warn_split_statistics`).
 
     ``modules`` is ``list(model.modules())``, which the step has from its one walk over the
     model. Plain ``nn.BatchNorm1d/2d/3d`` layers take their twin's class for the block (same
     object, parameters and buffers) and get their own class back afterwards, whatever happens
     in the block.
     """
-    plain, layers = [], []
+    plain, layers, normalizing = [], [], []
     for m in modules:
         if not isinstance(m, _BatchNorm):  # the one test most modules meet: every step walks them all
             continue
+        if m.training or m.running_mean is None:  # normalizes with the statistics of what it is given
+            normalizing.append(m)
         if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
             name = next(n for n, x in model.named_modules() if x is m)
             raise ValueError(
@@ -201,17 +214,19 @@ def deferring(model: nn.Module, modules: list[nn.Module]) -> _Deferring:
             plain.append(m)
         if isinstance(m, _DeferredStats) or type(m) in _TWINS:
             layers.append(m)
-    return _Deferring(plain, layers)
+    return _Deferring(plain, layers, normalizing)
 
 
 class _Deferring:
-    """The block of :func:`deferring` (a class: entered every step, cheaper than a generator's)."""
+    """The block of :func:`deferring` (a class: entered every step, cheaper than a generator's).
+    ``normalizing``: the BatchNorm layers that normalize with batch statistics (training mode,
+    or no running statistics), for :func:`warn_split_statistics`."""
 
-    def __init__(self, plain: list[nn.Module], layers: list[_DeferredStats]) -> None:
-        self.plain, self.layers = plain, layers
+    def __init__(self, plain: list[nn.Module], layers: list[_DeferredStats], normalizing: list[nn.Module]) -> None:
+        self.plain, self.layers, self.normalizing = plain, layers, normalizing
         self.swapped: list[tuple[nn.Module, type]] = []
 
-    def __enter__(self) -> list[_DeferredStats]:
+    def __enter__(self) -> tuple[list[_DeferredStats], list[nn.Module]]:
         try:
             for m in self.plain:
                 original = type(m)
@@ -221,7 +236,7 @@ class _Deferring:
         except BaseException:
             self.__exit__()
             raise
-        return self.layers
+        return self.layers, self.normalizing
 
     def __exit__(self, *exc: object) -> None:
         for m, original in self.swapped:
@@ -229,3 +244,42 @@ class _Deferring:
             for attr in ("_collecting", "_pending"):
                 m.__dict__.pop(attr, None)
         self.swapped = []
+
+
+class BatchNormWarning(UserWarning):
+    """A step streamed several micro-batches through BatchNorm layers that normalize with batch
+    statistics: each micro-batch was normalized with its own, so the gradients differ from the
+    full batch's. Silence it with ``warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)``."""
+
+
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # the models told already: once per model, not per step
+
+
+def warn_split_statistics(model: nn.Module, normalizing: list[nn.Module], num_micro_batches: int) -> None:
+    """Warn, once per ``model``, when ``num_micro_batches`` > 1 micro-batches pass through the
+    BatchNorm layers in ``normalizing`` (those using batch statistics, from :func:`deferring`).
+
+    The running statistics are exact (deferred), but normalization is not: the full-batch
+    statistics exist only once the whole mini-batch has streamed. The numbers do not show it, so
+    the step says it, naming the layers, what differs, the ways to the full-batch gradient and
+    how to silence it. One micro-batch (the whole mini-batch) is exact: no warning.
+    """
+    if num_micro_batches < 2 or not normalizing or model in _WARNED:
+        return
+    _WARNED.add(model)
+    wanted = {id(m) for m in normalizing}
+    plain = {twin: cls for cls, twin in _TWINS.items()}  # during the step a layer wears its twin's class
+    names = [f"{name or 'the model'} ({plain.get(type(m), type(m)).__name__})"
+             for name, m in model.named_modules() if id(m) in wanted]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warnings.warn(
+        f"mbs_ext: the step streams {num_micro_batches} micro-batches through BatchNorm layers that normalize "
+        f"with batch statistics, {shown}: each micro-batch is normalized with its own statistics, so "
+        "activations and gradients differ from one full-batch step (running statistics are still committed "
+        "once, over the whole mini-batch). For the full-batch gradient put those layers in eval mode, use a "
+        "normalization over each row (nn.GroupNorm, nn.LayerNorm), or a micro_batch_size that holds the whole "
+        "mini-batch; see docs/known-issues.md. Said once per model; to silence it: "
+        'warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)',
+        BatchNormWarning,
+        stacklevel=caller_stacklevel(),
+    )

@@ -11,6 +11,12 @@ smoothing divides by the same), counted on the device; every other built-in mean
 exact for it. A subclass with its own ``forward`` is not guessed at: it needs an
 explicit ``normalize``.
 
+A loss written the other way round, as ``loss(prediction, target)``, is the usual first
+mistake: a torch function passed as ``loss_fn`` is refused before the step
+(:func:`check_loss_fn`), and any other callable that fails because it got the model where it
+expected a prediction gets a note on its error naming the convention and the one-line fix
+(:func:`loss_caller`); both say it in the words of :func:`_pair_fix`.
+
 What ``loss(model(inputs), targets)`` cannot make exact is refused (:func:`loss_caller`):
 a forward taking more than (input, target) (``GaussianNLLLoss``, ``CTCLoss``, the pair
 and triplet losses), before the step starts; a loss owning trainable parameters that are
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +40,7 @@ import torch
 from torch import nn
 from torch.nn.modules.loss import _Loss
 
+from mbs_ext.messages import add_note
 from mbs_ext.normalize import Rule, rule_of
 
 LossCall = Callable[[nn.Module, Any], torch.Tensor]
@@ -50,24 +58,108 @@ def check_loss_fn(loss_fn: Any) -> None:
     module = getattr(loss_fn, "__module__", None) or ""
     name = getattr(loss_fn, "__name__", "")
     if not isinstance(loss_fn, _Loss) and module in _PAIR_FUNCTION_MODULES and name:
-        raise TypeError(
-            f"loss_fn is {module}.{name}, a (prediction, target) function; mbs_ext calls "
-            "loss_fn(model, micro_batch). Pass a torch.nn loss module (e.g. nn.CrossEntropyLoss(): "
-            "the step calls it as loss(model(inputs), targets)) or "
-            f"lambda model, b: {name}(model(b[0]), b[1])"
-        )
+        raise TypeError(_pair_fix(f"loss_fn is {module}.{name}, a (prediction, target) function", name))
+
+
+def _pair_fix(what: str, name: str) -> str:
+    """The message for a ``loss(prediction, target)`` given as ``loss_fn``: ``what`` it is, the
+    convention, and the fix with the loss called ``name`` (the one wording for both checks)."""
+    return (
+        f"{what}; mbs_ext calls loss_fn(model, micro_batch). Pass a torch.nn loss module (e.g. "
+        "nn.CrossEntropyLoss(): the step calls it as loss(model(inputs), targets)) or, for an (inputs, targets) "
+        f"batch, loss_fn=lambda model, b: {name}(model(b[0]), b[1])"
+    )
+
+
+# Names that say a variable holds a prediction (torch's losses call theirs ``input``).
+_PREDICTION_NAMES = frozenset({"pred", "preds", "prediction", "predictions", "predicted", "output", "outputs", "out",
+                               "input", "inputs", "logits", "y_pred", "y_hat", "yhat", "scores"})
+_FORWARD_FRAMES = frozenset({"_call_impl", "_wrapped_call_impl", "forward", "__call__"})
+
+
+def _pair_note(exc: BaseException, loss_fn: Callable, model: nn.Module, micro_batch: Any) -> str | None:
+    """The note for ``exc``, raised by ``loss_fn(model, micro_batch)``, when ``loss_fn`` looks
+    written as ``loss(prediction, target)``; None when nothing says so.
+
+    Read only once the call failed, from what is certain: a TypeError or AttributeError (what
+    a module given where a tensor is expected raises) while the model's forward was not running
+    (an error inside the model is the model's), and one of: the callable cannot take two
+    arguments; the error says the model was taken for a tensor (:func:`_used_as_tensor`); a frame
+    of the traceback holds the model under a prediction's name (``pred``, ``logits``, torch's
+    ``input``...). A loss written for ``(model, micro_batch)`` that fails on its own has the
+    model under its own name, or a prediction (a tensor) under those names, and gets no note.
+    """
+    if not isinstance(exc, (TypeError, AttributeError)):
+        return None
+    as_prediction = False
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name in _FORWARD_FRAMES and frame.f_locals.get("self") is model:
+            return None
+        as_prediction = as_prediction or any(v is model and k.lower() in _PREDICTION_NAMES
+                                             for k, v in frame.f_locals.items())
+        tb = tb.tb_next
+    try:  # a module's own signature is (*args, **kwargs): read its forward's
+        signature = inspect.signature(loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn)
+        binds = signature.bind(model, micro_batch) is not None
+    except ValueError:  # no signature to read (a builtin)
+        binds = True
+    except TypeError:
+        binds = False
+    if binds and not as_prediction and not _used_as_tensor(exc, model):
+        return None
+    if isinstance(loss_fn, nn.Module):
+        cls = type(loss_fn).__name__
+        return _pair_fix(f"loss_fn is a {cls} module whose forward seems to take (prediction, target)",
+                         "loss") + f", with loss your {cls} instance"
+    name = getattr(loss_fn, "__name__", "")
+    if not name.isidentifier():  # a lambda
+        return _pair_fix("loss_fn seems written as loss(prediction, target)", "your_loss")
+    return _pair_fix(f"loss_fn {name} seems written as {name}(prediction, target)", name)
+
+
+def _used_as_tensor(exc: BaseException, model: nn.Module) -> bool:
+    """Whether ``exc`` says the model was taken for a tensor: a tensor's attribute looked up on it
+    (``pred.argmax``; a missing attribute of its own, ``model.nett``, is another mistake), torch
+    naming the model's class where it wanted a tensor (``must be Tensor, not Sequential``), or an
+    operator given it (``unsupported operand type(s) for -: 'Sequential' and 'tuple'``). Other
+    errors that name the class (a method called with the wrong arguments) say nothing of it."""
+    cls, text = re.escape(type(model).__name__), str(exc)
+    missing = re.match(r"'(\w+)' object has no attribute '(\w+)'", text)
+    if isinstance(exc, AttributeError):
+        return bool(missing and missing.group(1) == type(model).__name__ and hasattr(torch.Tensor, missing.group(2)))
+    return re.search(rf"\bnot {cls}\b|operand type.*'{cls}'|'{cls}' object is not (subscriptable|iterable)",
+                     text) is not None
+
+
+def _noting_pair_errors(loss_fn: Callable) -> LossCall:
+    """``loss_fn`` called as ``loss_fn(model, micro_batch)``; an error it raises goes on
+    unchanged (the step still undoes everything), with :func:`_pair_note` added when it fits."""
+
+    def call(model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        try:
+            return loss_fn(model, micro_batch)
+        except (TypeError, AttributeError) as exc:
+            note = _pair_note(exc, loss_fn, model, micro_batch)
+            if note is not None:
+                add_note(exc, note)
+            raise
+
+    return call
 
 
 def loss_caller(loss_fn: Callable, pair: bool) -> LossCall:
-    """``loss_fn`` itself, or for an ``nn`` loss module ``loss_fn(model(inputs), targets)``
-    (``pair``: the batch is an ``(inputs, targets)`` pair).
+    """For an ``nn`` loss module ``loss_fn(model(inputs), targets)`` (``pair``: the batch is an
+    ``(inputs, targets)`` pair); any other callable is called as it is, with a note on an error
+    that says it was written as ``loss(prediction, target)`` (:func:`_pair_note`).
 
     Refused here, before anything changes: a loss whose forward needs more than (input,
     target). Refused at the first call, which has the model: a loss with trainable
     parameters the model does not hold.
     """
     if not isinstance(loss_fn, _Loss):
-        return loss_fn
+        return _noting_pair_errors(loss_fn)
     _check_two_inputs(loss_fn)
     if not pair:
         raise TypeError("loss_fn is a torch.nn loss module, so batch must be an (inputs, targets) pair")

@@ -33,9 +33,11 @@ from torch import nn
 
 from mbs_ext import backoff, gather, planner, probe, sharded
 from mbs_ext import batch as _batch
+from mbs_ext import cached as _cached_loss
 from mbs_ext import loss as _loss
 from mbs_ext import model as _model
-from mbs_ext.batchnorm import deferring
+from mbs_ext.batchnorm import deferring, warn_split_statistics
+from mbs_ext.cached import CachedLoss
 from mbs_ext.finish import StepResult, finish, finish_gradients
 from mbs_ext.forward_backward import ForwardBackward
 from mbs_ext.grads import make_sink, sink_dtype
@@ -126,6 +128,7 @@ class _Call:
     rule: Rule
     loss_call: Callable[[nn.Module, Any], torch.Tensor]
     batchnorms: list = field(default_factory=list)
+    normalizing: list = field(default_factory=list)  # BatchNorms using batch statistics: warned of when split
     found: _model.Members | None = None  # the model's walk: its buffers, for the rollback snapshot
 
 
@@ -197,6 +200,8 @@ class MicroBatchStreamer:
         return self._run(batch, indices, stepping=False)
 
     def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
+        if isinstance(self.loss_fn, CachedLoss):  # three passes; its last is this method's own
+            return _cached_loss.run(self, batch, indices, stepping)
         t_begin = time.perf_counter()
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
         found = _model.members(self.model)  # the one walk over the model's modules this step
@@ -204,7 +209,7 @@ class MicroBatchStreamer:
         progress = _Progress(ranks)
         try:
             call = self._check(batch, indices, params, device, ranks, found)
-            with deferring(self.model, found.modules) as call.batchnorms:
+            with deferring(self.model, found.modules) as (call.batchnorms, call.normalizing):
                 size, key = self.cache.size_for(self.model, self.options, call)
                 result = backoff.with_backoff(
                     lambda m: self._attempt(call, m, progress, stepping), size,
@@ -224,16 +229,12 @@ class MicroBatchStreamer:
         _model.check_scaler_params(self.options.scaler, params, device)
         if ranks.fsdp:
             sharded.check_options(self.options, sink_dtype(self.options.accumulate_dtype, params, False))
-        key = (getattr(self.loss_fn, "reduction", None), info.pair)
-        made = self._loss_calls.get(key)
-        if made is None:  # once per loss reduction and batch kind: their checks need not run every step
-            made = self._loss_calls[key] = (_loss.rule_for(self.loss_fn, self.options.normalize),
-                                            _loss.loss_caller(self.loss_fn, info.pair))
+        made = _rule_and_call(self._loss_calls, self.loss_fn, self.options.normalize, info.pair)
         return _Call(params, batch, info, device, ranks, *made, found=found)
 
     def _attempt(self, call: _Call, m: int, progress: _Progress, stepping: bool) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish; on any error undo everything first."""
-        sizes = split_sizes(call.info.rows, m)
+        sizes = _split(self.model, call, m)
         opts, device = self.options, call.device
         optimizer = self.optimizer if stepping else None
         ranks = call.ranks
@@ -279,6 +280,23 @@ class MicroBatchStreamer:
             loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
         )
+
+
+def _rule_and_call(made: dict, loss_fn: Callable, normalize: Any, pair: bool) -> tuple[Rule, Callable]:
+    """The count rule and the loss call, made once per loss reduction (a caller may change it
+    between steps) and batch kind: the checks behind them need not run every step."""
+    key = (getattr(loss_fn, "reduction", None), pair)
+    if key not in made:
+        made[key] = (_loss.rule_for(loss_fn, normalize), _loss.loss_caller(loss_fn, pair))
+    return made[key]
+
+
+def _split(model: nn.Module, call: _Call, m: int) -> list[int]:
+    """The micro-batch sizes of an attempt at size ``m``. Split through BatchNorm layers that use
+    batch statistics, the step is no longer the full batch's: warned of once per model."""
+    sizes = split_sizes(call.info.rows, m)
+    warn_split_statistics(model, call.normalizing, len(sizes))
+    return sizes
 
 
 def _agree_sharded(call: _Call, normalizer: Normalizer, sizes: list[int], progress: _Progress) -> int:

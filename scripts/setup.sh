@@ -1,15 +1,56 @@
 #!/usr/bin/env bash
-# Sets up .venv with torch and mbs_ext (extension built in place, editable).
-# Idempotent: a second run with unchanged sources does nothing.
-#   MBS_EXT_CUDA=0|1  force a CPU-only build / require the CUDA kernels
-#   MBS_TORCH=...     torch requirement (default torch==2.14.1, the CUDA 13 build)
+# Sets up .venv with torch and mbs_ext (extension built in place, editable), fitted to the
+# machine: without a GPU the CPU build of torch==2.13.0 and a CPU-only extension (about 1.6 GB,
+# a few minutes); with a GPU (or when asked) torch==2.14.1, the CUDA 13 build, and the CUDA
+# kernels (about 6 GB). It says which it chose and why; a later run given no MBS_* choice keeps
+# what the venv has. Idempotent: a second run with unchanged sources does nothing.
+#   MBS_EXT_CUDA=0|1  force a CPU-only extension / require the CUDA kernels (1 also picks the CUDA torch)
+#   MBS_TORCH=...     torch requirement (then the CUDA kernels build when that torch has CUDA and nvcc is found)
 #   MBS_VENV=dir      the virtual environment to set up (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-TORCH_REQ="${MBS_TORCH:-torch==2.14.1}"
 VENV="${MBS_VENV:-.venv}"
+CPU_TORCH="torch==2.13.0"
+CUDA_TORCH="torch==2.14.1"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+# A GPU is one the NVIDIA driver lists: a CUDA toolkit or an nvidia-smi without a device is no GPU.
+gpu_listed() { command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; }
+
+choice="$VENV/.mbs_ext-choice"  # what the set-up of $VENV chose: a later run given nothing keeps it
+if [ -z "${MBS_TORCH:-}${MBS_EXT_CUDA:-}" ] && [ -f "$choice" ]; then
+  read -r TORCH_REQ chosen_cuda < "$choice"
+  [ "$chosen_cuda" = auto ] || export MBS_EXT_CUDA="$chosen_cuda"
+  why="as $VENV was set up before (MBS_TORCH or MBS_EXT_CUDA chooses again)"
+elif [ -n "${MBS_TORCH:-}" ]; then
+  TORCH_REQ="$MBS_TORCH" why="MBS_TORCH names it"
+elif [ "${MBS_EXT_CUDA:-}" = 1 ]; then
+  TORCH_REQ="$CUDA_TORCH" why="MBS_EXT_CUDA=1 asks for the CUDA kernels"
+elif gpu_listed; then
+  TORCH_REQ="$CUDA_TORCH" why="nvidia-smi lists a GPU ($(nvidia-smi -L | head -n 1 | cut -c1-60))"
+else
+  TORCH_REQ="$CPU_TORCH" why="no GPU found (no nvidia-smi listing one); MBS_EXT_CUDA=1 picks the CUDA build"
+  export MBS_EXT_CUDA="${MBS_EXT_CUDA:-0}"
+fi
+case "${MBS_EXT_CUDA:-auto}" in
+  0) kernels="a CPU-only extension" ;;
+  1) kernels="the CUDA kernels (a missing CUDA toolkit is an error)" ;;
+  *) kernels="the CUDA kernels too when torch has CUDA and nvcc is found" ;;
+esac
+
+# A step of minutes: pip shows what it fetches and installs, and this line every 20 s shows it
+# still runs (downloads and the compiler print nothing for minutes when not on a terminal).
+long() {
+  local label="$1" start=$SECONDS rc=0 ticker
+  shift
+  (while sleep 20 > /dev/null 2>&1; do echo "[setup]   ... $label: $((SECONDS - start)) s"; done) &
+  ticker=$!
+  "$@" || rc=$?
+  kill "$ticker" 2> /dev/null || true
+  wait "$ticker" 2> /dev/null || true
+  return "$rc"
+}
 
 if [ ! -x "$VENV"/bin/python ]; then
   echo "[setup] creating $VENV"
@@ -27,14 +68,24 @@ mode="${MBS_EXT_CUDA:-auto}"
 [ "$mode" = 1 ] && mode=auto  # same build as auto-detect, only stricter
 want="$( (echo "$TORCH_REQ $mode"; cat setup.py pyproject.toml; find csrc -type f | sort | xargs cat) | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && ls mbs_ext/_C*.so > /dev/null 2>&1; then
-  echo "[setup] .venv is up to date"
+  echo "[setup] $VENV is up to date ($TORCH_REQ, $kernels)"
   exit 0
 fi
 
-echo "[setup] installing $TORCH_REQ"
-"$VENV"/bin/python -m pip install -q "$TORCH_REQ"
-echo "[setup] building mbs_ext (CUDA kernels too when torch has CUDA and nvcc is found; a few minutes)"
-"$VENV"/bin/python -m pip install -q --no-build-isolation -e ".[test,demo]"
-"$VENV"/bin/python -m pip install -q "pytest-benchmark>=4" ruff
+echo "[setup] installing $TORCH_REQ with $kernels: $why"
+# numpy first: torch imported without it (as the build does) warns that NumPy failed to initialize.
+long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install "$TORCH_REQ" numpy
+if [ "$TORCH_REQ" = "$CPU_TORCH" ] && [ "$("$VENV"/bin/python -c 'import torch; print(torch.version.cuda)')" != None ]; then
+  echo "[setup] note: pip found no CPU-only $CPU_TORCH wheel and installed the one with CUDA libraries; for the" \
+       "smaller CPU wheel, rerun with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+fi
+echo "[setup] building mbs_ext with $kernels (minutes: C++ against torch's headers), then the test and demo requirements"
+# setuptools' notice that an editable install may be shadowed by a folder named like the package:
+# here that folder is the package itself.
+PYTHONWARNINGS="ignore:Editable installation" \
+  long "building mbs_ext, then the test and demo requirements" \
+  "$VENV"/bin/python -m pip install --no-build-isolation -e ".[test,demo]"
+long "installing pytest-benchmark and ruff" "$VENV"/bin/python -m pip install "pytest-benchmark>=4" ruff
 echo "$want" > "$stamp"
+echo "$TORCH_REQ ${MBS_EXT_CUDA:-auto}" > "$choice"
 "$VENV"/bin/python -c "import mbs_ext; print('[setup] mbs_ext', mbs_ext.build_info())"

@@ -7,6 +7,8 @@ is a plain nn.BatchNorm in float64 on the host.
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import pytest
 import torch
@@ -256,3 +258,58 @@ def test_sync_batchnorm_in_training_is_refused_before_anything_changes():
     assert all(p.grad is None for p in model.parameters())
     model.bn.eval()  # in eval mode it only reads its statistics: allowed
     mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), loss_fn, micro_batch_size=2)
+
+
+# ---- the warning: a split through BatchNorm in training is not the full batch ----
+
+
+def _bn_gradients(model, x, micro_batch_size):
+    """The gradients of one ``mbs_ext.accumulate`` over ``x`` (BatchNorm warnings recorded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mbs_ext.accumulate(model, x, loss_fn, micro_batch_size=micro_batch_size)
+    return [p.grad.clone() for p in model.parameters()], [w for w in caught if w.category is mbs_ext.BatchNormWarning]
+
+
+def test_split_through_batchnorm_in_training_warns_once_per_model_naming_the_fix():
+    """Streamed in several micro-batches, a real nn.BatchNorm1d in training normalizes each with
+    its own statistics, so the gradient is not the full batch's: the step says so once per model,
+    at the caller's line, naming the layer, what differs and how to silence it."""
+    torch.manual_seed(0)
+    model = BNFirst(nn.BatchNorm1d(3), 3).double()
+    x = torch.randn(12, 3, dtype=torch.float64) * 3 + 1
+    full, none = _bn_gradients(copy.deepcopy(model), x, micro_batch_size=12)  # one micro-batch: exact
+    assert none == []
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.warns(mbs_ext.BatchNormWarning) as caught:
+        line = sys._getframe().f_lineno + 1
+        mbs_ext.step(model, opt, x, loss_fn, micro_batch_size=4)
+    (w,) = [c for c in caught if c.category is mbs_ext.BatchNormWarning]
+    assert (w.filename, w.lineno) == (__file__, line)
+    text = str(w.message)
+    assert "3 micro-batches" in text and "batch statistics, bn (BatchNorm1d):" in text and "its own statistics" in text
+    assert "gradients differ from one full-batch step" in text
+    assert 'warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)' in text
+    assert "eval mode" in text and "docs/known-issues.md" in text
+    streamed = [p.grad for p in model.parameters()]
+    assert any(rel_err(a, b) > 1e-3 for a, b in zip(streamed, full))  # what the warning says
+    _, later = _bn_gradients(model, x, micro_batch_size=4)
+    assert later == []  # once per model
+    assert _bn_gradients(copy.deepcopy(model), x, micro_batch_size=4)[1] != []  # another model is told
+
+
+def test_no_batchnorm_warning_where_the_step_is_the_full_batchs():
+    """No warning where nothing differs: one micro-batch, BatchNorm in eval mode (running
+    statistics), or no BatchNorm. A BatchNorm without running statistics normalizes with batch
+    statistics even in eval mode, and warns. ``warnings.filterwarnings`` silences it."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, dtype=torch.float64)
+    assert _bn_gradients(BNFirst(nn.BatchNorm1d(3), 3).double(), x, micro_batch_size=12)[1] == []
+    assert _bn_gradients(BNFirst(nn.BatchNorm1d(3), 3).double().eval(), x, micro_batch_size=4)[1] == []
+    assert _bn_gradients(BNFirst(nn.Identity(), 3).double(), x, micro_batch_size=4)[1] == []
+    eval_bn = BNFirst(nn.BatchNorm1d(3, track_running_stats=False), 3).double().eval()  # no running statistics
+    assert len(_bn_gradients(eval_bn, x, micro_batch_size=4)[1]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)
+        mbs_ext.accumulate(BNFirst(nn.BatchNorm1d(3), 3).double(), x, loss_fn, micro_batch_size=4)

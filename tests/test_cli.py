@@ -38,6 +38,7 @@ def test_demo_trains_and_matches_full_batch(tmp_path, capsys):
     assert f"micro-batch size chosen for the 4 MiB budget: {summary['micro_batch']} (mini-batch 128)" in out
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_info_prints_build_info():
     out = run_python(["-m", "mbs_ext", "info"], timeout=120)
     assert json.loads(out.stdout) == mbs_ext.build_info()
@@ -85,6 +86,7 @@ def _option_entries(help_text: str) -> dict[str, str]:
     return entries
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_help_lists_the_commands_under_one_program_name(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")  # the same line width here and in the subprocess
     monkeypatch.setattr(sys, "argv", ["/somewhere/bin/mbs-ext", "--help"])  # the console script's argv[0]
@@ -188,6 +190,7 @@ def test_a_budget_too_small_for_the_model_is_a_usage_error(tmp_path, capsys):
 # --------------------------------------------------------------------------- missing extras
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_table_without_scikit_learn_says_what_to_install(tmp_path):
     out = tmp_path / "table"
     code = "\n".join([

@@ -42,6 +42,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mbs_ext
 
+# Several processes (gloo ranks): out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.multiprocess
+
 ROWS = (10, 7)  # rows of rank 0 and rank 1
 M = 3  # micro_batch_size: 4 micro-batches on rank 0, 3 on rank 1
 STEPS = 2

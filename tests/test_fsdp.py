@@ -23,6 +23,9 @@ from ddp_harness import WORLD, run_world
 
 import mbs_ext
 
+# Several processes (gloo ranks): out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.multiprocess
+
 ROWS = (10, 7)
 M = 3
 STEPS = 2

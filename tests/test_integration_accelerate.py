@@ -36,6 +36,9 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import mbs_ext  # noqa: E402
 
+# A framework's own Trainer / loop: out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.integration
+
 N, T, VOCAB, M = 23, 6, 13, 4
 LR, MAX_NORM = 1e-2, 0.5
 
@@ -245,6 +248,7 @@ def _rank_loop(rank: int) -> dict:
     return {"params": params, "losses": losses, "logged": logged}
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_ranks_equal_one_process(fresh_state, tmp_path):
     from ddp_harness import run_world
 

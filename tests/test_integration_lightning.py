@@ -22,6 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from mbs_ext.integrations.lightning import StreamingStrategy  # noqa: E402
 
+# A framework's own Trainer / loop: out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.integration
+
 TOL = 1e-10
 
 
@@ -258,6 +261,7 @@ def _ddp_rank(rank: int) -> dict:
             "logged": trainer.callback_metrics["train_loss"].item(), "world": trainer.world_size}
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_ranks_token_normalization_equals_single_process_full_batch(tmp_path):
     from ddp_harness import run_world
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -38,6 +39,9 @@ from transformers.loss.loss_utils import fixed_cross_entropy  # noqa: E402
 
 import mbs_ext  # noqa: E402
 from mbs_ext.integrations.transformers import StreamingTrainer, label_token_count, loss_shifts_labels  # noqa: E402
+
+# A framework's own Trainer / loop: out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.integration
 
 N, T, VOCAB, M = 23, 7, 31, 4
 
@@ -201,6 +205,62 @@ def test_default_count_is_what_the_loss_averages_over(tmp_path, kind):
     assert int(label_token_count(False)(batch)) == int((rows.labels != -100).sum())
 
 
+def stock_gpt2(loss_type: str | None = None) -> torch.nn.Module:
+    """A tiny GPT2LMHeadModel as transformers builds it from a config (float32, its own loss):
+    no ``loss_type``, though its loss shifts the labels."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    if loss_type is not None:
+        model.loss_type = loss_type
+    return model
+
+
+def count_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "num_items_in_batch" in str(w.message)]
+
+
+def test_warns_once_where_the_plain_trainer_counts_other_tokens(tmp_path):
+    """GPT2LMHeadModel from a config has no loss_type: the plain Trainer counts the unshifted
+    labels for num_items_in_batch, StreamingTrainer the shifted ones its loss scores. The first
+    step warns once, naming loss_type and both counts, and the plain Trainer's first logged loss
+    is the streamed one times their ratio, as the warning says."""
+    rows = Rows()
+    shifted, unshifted = int((rows.labels[:, 1:] != -100).sum()), int((rows.labels != -100).sum())
+    assert shifted < unshifted
+    model = stock_gpt2()
+    assert model.loss_type is None
+    mbs = StreamingTrainer(model=model, args=training_args(tmp_path / "mbs", 2), train_dataset=rows,
+                           micro_batch_size=M)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mbs.train()
+    (text,) = count_warnings(caught)  # two steps, one warning
+    assert "GPT2LMHeadModel has loss_type=None" in text
+    assert f"unshifted labels for num_items_in_batch ({unshifted} tokens in this batch)" in text
+    assert f"shifted ones ({shifted} tokens), which StreamingTrainer counts" in text
+    assert 'model.loss_type' in text and '"ForCausalLM"' in text and "docs/integrations.md" in text
+    assert f"{shifted / unshifted:.4g} times these" in text
+    plain = Trainer(model=stock_gpt2(), args=training_args(tmp_path / "plain", 1), train_dataset=Rows())
+    plain.train()
+    assert logged_losses(plain)[0] == pytest.approx(logged_losses(mbs)[0] * shifted / unshifted, rel=1e-5)
+
+
+def test_no_count_warning_once_the_model_names_its_loss_type(tmp_path):
+    """With model.loss_type = "ForCausalLM" both Trainers count the shifted labels: no warning,
+    and the same first logged loss."""
+    mbs = StreamingTrainer(model=stock_gpt2("ForCausalLM"), args=training_args(tmp_path / "mbs", 1),
+                           train_dataset=Rows(), micro_batch_size=M)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mbs.train()
+    assert count_warnings(caught) == []
+    plain = Trainer(model=stock_gpt2("ForCausalLM"), args=training_args(tmp_path / "plain", 1), train_dataset=Rows())
+    plain.train()
+    assert logged_losses(plain)[0] == pytest.approx(logged_losses(mbs)[0], rel=1e-5)
+
+
 def test_train_batches_stay_on_the_host(tmp_path):
     trainer = StreamingTrainer(model=make_model(), args=training_args(tmp_path, 1), train_dataset=Rows(),
                                micro_batch_size=M)
@@ -274,6 +334,7 @@ def _rank_trainer(rank: int, out_dir: str) -> dict:
     }
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_ranks_equal_the_full_batch_trainer(tmp_path):
     """Two ranks with 10 and 7 rows (token counts normalized over both) for 3 AdamW steps equal
     the plain Trainer's full-batch steps on all 17 rows in one process, to 1e-10."""

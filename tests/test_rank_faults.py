@@ -26,6 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mbs_ext
 
+# Several processes (gloo ranks): out of the quick suite, run by CI (docs/testing.md).
+pytestmark = pytest.mark.multiprocess
+
 ROWS = (10, 7)
 M = 3
 LAST = 2  # rank 1's last micro-batch (7 rows in 3)

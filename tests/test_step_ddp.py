@@ -169,6 +169,7 @@ def ddp_results(request, tmp_path_factory):
     return results
 
 
+@pytest.mark.multiprocess
 def test_ddp_auto_plans_per_rank_without_collectives(ddp_results):
     r0, r1 = ddp_results["agree_auto"]
     assert r0["m"] != r1["m"]  # each rank planned on its own rows (8 and 4,000)
@@ -177,6 +178,7 @@ def test_ddp_auto_plans_per_rank_without_collectives(ddp_results):
         assert torch.equal(a, b)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(AGREEMENT))
 def test_ddp_fault_on_one_rank_stops_every_rank(ddp_results, name):
     # A NaN gradient or an invalid count on rank 0 alone: every rank skips (or raises) and no
@@ -193,6 +195,7 @@ def test_ddp_fault_on_one_rank_stops_every_rank(ddp_results, name):
         assert outcome["unchanged"], (rank, outcome)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_ddp_equals_single_process_global_step(ddp_results, name):
     kind, dtype, data_fn, split, m, normalize, acc = SCENARIOS[name]

@@ -51,6 +51,62 @@ def test_pair_function_as_loss_fn_names_the_fix(device):
             TypeError, r"torch.nn.functional.cross_entropy.*\(prediction, target\).*nn.CrossEntropyLoss\(\)")
 
 
+class PairLoss(nn.Module):
+    """A custom loss module of the (prediction, target) shape."""
+
+    def forward(self, pred, target):
+        return F.mse_loss(pred, target)
+
+
+def pair_loss_function(output, target):
+    return F.cross_entropy(output, target)
+
+
+@pytest.mark.parametrize("loss_fn", [
+    pytest.param(lambda pred, target: F.cross_entropy(pred, target), id="lambda-cross_entropy"),
+    pytest.param(lambda p, t: (p - t).pow(2).mean(), id="lambda-arithmetic"),
+    pytest.param(lambda pred, t: F.mse_loss(pred, t), id="lambda-mse_loss"),
+    pytest.param(pair_loss_function, id="function"),
+    pytest.param(PairLoss(), id="module"),
+])
+def test_prediction_target_loss_gets_a_note_naming_the_convention(loss_fn, device):
+    """A loss written as loss(prediction, target) fails inside its own call (torch's TypeError or
+    AttributeError, kept and chained as is); a note names mbs_ext's convention and the one-line
+    fix, and the step changes nothing."""
+    model = classifier(device, bn=False)
+    opt = torch.optim.Adam(model.parameters())
+    opt.step()
+    before = snapshot(model, opt)
+    with pytest.raises((TypeError, AttributeError)) as info:
+        mbs_ext.step(model, opt, data(), loss_fn, micro_batch_size=3)
+    assert_bit_identical(snapshot(model, opt), before)
+    assert all(p.grad is None for p in model.parameters())
+    assert "mbs_ext" not in str(info.value)  # torch's own error, unchanged
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "mbs_ext calls loss_fn(model, micro_batch)" in notes, notes
+    assert "nn.CrossEntropyLoss()" in notes
+    name = getattr(loss_fn, "__name__", "")
+    fix = f"{name}(model(b[0]), b[1])" if name.isidentifier() else "(model(b[0]), b[1])"
+    assert "loss_fn=lambda model, b: " in notes and fix in notes
+    if isinstance(loss_fn, nn.Module):
+        assert "PairLoss" in notes
+    assert notes.index("mbs_ext calls") < notes.index("failed at micro-batch 0")  # the step's note follows
+
+
+def test_loss_of_the_right_shape_failing_on_its_own_gets_no_convention_note(device):
+    """A loss_fn(model, micro_batch) with a mistake of its own, or a model failing inside its
+    forward, keeps its error without the (prediction, target) note."""
+    model = classifier(device, bn=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for loss_fn in (lambda model, b: F.cross_entropy(model(b[0]), b),  # the whole tuple as the target
+                    lambda model, b: F.cross_entropy(model(b), b[1]),  # the model fails on a tuple
+                    lambda model, b: F.cross_entropy(model.head(b[0]), b[1])):  # a submodule it lacks
+        with pytest.raises((TypeError, AttributeError)) as info:
+            mbs_ext.step(model, opt, data(), loss_fn, micro_batch_size=3)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "failed at micro-batch 0" in notes and "loss_fn(model, micro_batch)" not in notes, notes
+
+
 def test_step_under_no_grad_names_the_fix(device):
     model = classifier(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -75,6 +75,7 @@ def test_core_does_not_import_apps_or_step_from_planner():
         assert "mbs_ext.step" not in graph[planning], planning
 
 
+@pytest.mark.slow  # one fresh interpreter re-importing every module: out of the quick suite
 def test_every_module_imports_alone():
     graph = _graph()
     code = (
@@ -89,6 +90,18 @@ def test_every_module_imports_alone():
     # The native module and the op registrations stay loaded: torch keeps op registrations
     # for the process, so executing them twice would test torch, not the import graph.
     run_python(["-c", code, *modules], cwd=PACKAGE.parent, timeout=300)
+
+
+def test_diagnostics_is_an_attribute_after_import_mbs_ext():
+    """The README names ``mbs_ext.diagnostics``: in a fresh interpreter, ``import mbs_ext`` alone
+    makes it an attribute, with what the README says it holds (memory probes and meters)."""
+    code = (
+        "import sys, mbs_ext\n"
+        "d = mbs_ext.diagnostics\n"
+        "assert d is sys.modules['mbs_ext.diagnostics'], d\n"
+        "assert callable(d.measure_peak) and callable(d.PeakTracker) and callable(d.RssPeak), dir(d)\n"
+    )
+    run_python(code, cwd=PACKAGE.parent.parent, timeout=120)
 
 
 ROOT = PACKAGE.parent

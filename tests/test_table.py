@@ -22,6 +22,7 @@ def cal():
 
 
 @linux_only
+@pytest.mark.slow
 def test_capped_child_full_batch_fails_mbs_succeeds(cal):
     assert 0 < cal["growth"] < 64 << 20, cal
     res = table.run_child("row", 1024, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=1, threads=1)
@@ -35,6 +36,7 @@ def test_capped_child_full_batch_fails_mbs_succeeds(cal):
 
 
 @linux_only
+@pytest.mark.slow
 def test_capped_child_small_full_batch_fits(cal):
     # The cap is not a blanket failure: at B = micro-batch the full batch fits too.
     res = table.run_child("row", 16, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=2, threads=1)

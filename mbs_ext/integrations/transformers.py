@@ -16,9 +16,13 @@ batch (times the number of processes under DDP): the micro-batch losses are weig
 what the model's loss averages over. By default that is the number of label tokens the
 loss really scores: ``labels != -100``, and for causal LMs (whose loss shifts the labels
 by one) ``labels[..., 1:] != -100``, or ``shift_labels`` when the collator provides them.
-That is the same count the Trainer's own ``num_items_in_batch`` uses; the Trainer's count
-is not passed to the model (each micro-batch's loss is its own mean, and mbs_ext weights
-it), so nothing is normalized twice.
+That is the count the Trainer's own ``num_items_in_batch`` uses when it knows the loss
+shifts (``model.loss_type`` maps to the causal LM loss); the Trainer's count is not passed
+to the model (each micro-batch's loss is its own mean, and mbs_ext weights it), so nothing
+is normalized twice. Where the plain Trainer would count otherwise (a ``GPT2LMHeadModel``
+built from a config has no ``loss_type``, so it counts the unshifted labels: one token more
+for every row whose first label counts), the two Trainers' losses differ by that ratio: the first
+training step warns, naming ``loss_type`` and both counts (:func:`_warn_if_counts_differ`).
 
 The training DataLoader keeps batches on the host (pinned when
 ``dataloader_pin_memory``): the Trainer's prepared DataLoader would otherwise move each
@@ -35,6 +39,7 @@ This module imports ``transformers``; ``import mbs_ext`` does not import it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,6 +49,7 @@ from transformers import Trainer
 
 import mbs_ext
 from mbs_ext import StepOptions
+from mbs_ext.messages import caller_stacklevel
 
 __all__ = ["StreamingTrainer", "label_token_count", "loss_shifts_labels"]
 
@@ -136,6 +142,7 @@ class StreamingTrainer(Trainer):
         self._check_setup(normalize)
         self.stream_options = base.replace(micro_batch_size=micro_batch_size, normalize=normalize)
         self.last_stream_result: mbs_ext.StepResult | None = None
+        self._counts_compared = False  # whether the plain Trainer's count was compared with ours (once)
 
     def _check_setup(self, normalize: Any) -> None:
         args = self.args
@@ -206,6 +213,8 @@ class StreamingTrainer(Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         batch = dict(inputs) if isinstance(inputs, Mapping) else inputs  # BatchEncoding is no dict
+        if not self._counts_compared:
+            self._counts_compared = _warn_if_counts_differ(self, batch)
 
         def loss_fn(m: nn.Module, micro_batch: Any) -> torch.Tensor:
             mb = dict(micro_batch) if isinstance(micro_batch, Mapping) else micro_batch  # compute_loss may pop
@@ -219,3 +228,41 @@ class StreamingTrainer(Trainer):
         self.last_stream_result = result
         dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
         return torch.tensor(result.loss, dtype=dtype, device=self.args.device)
+
+
+def _warn_if_counts_differ(trainer: StreamingTrainer, batch: Any) -> bool:
+    """Warn when the plain Trainer would normalize this model's loss over another count; True
+    once nothing is left to compare (warned, or the two rules agree).
+
+    The plain Trainer divides the summed loss by ``num_items_in_batch``, counted over
+    ``labels[..., 1:]`` only when ``model.loss_type`` maps to the causal LM loss; a model whose
+    loss shifts without saying so (``GPT2LMHeadModel`` built from a config) gets the unshifted
+    count there (one token more for every row whose first label counts), while StreamingTrainer
+    counts the tokens the loss scores. A user comparing the two sees only that they differ, so
+    say why, once, on the first batch whose two counts differ. Nothing to compare under an
+    explicit ``normalize``, with ``shift_labels`` (both use them), or when the plain Trainer
+    passes no count at all (``model_accepts_loss_kwargs`` false: the model's own mean, as here).
+    """
+    if trainer.stream_options.normalize is not None or not isinstance(batch, Mapping) or "labels" not in batch \
+            or "shift_labels" in batch or not trainer.model_accepts_loss_kwargs:
+        return True
+    model = trainer.model
+    ours, theirs = loss_shifts_labels(model), bool(getattr(trainer, "_loss_shifts_labels", False))
+    if ours == theirs:
+        return True
+    ours_n, theirs_n = (int(label_token_count(shift)(batch)) for shift in (ours, theirs))
+    if ours_n == theirs_n:  # this batch has no token the two rules count apart: look again next step
+        return False
+    factor = f" (the plain Trainer's are {ours_n / theirs_n:.4g} times these)" if theirs_n else ""
+    warnings.warn(
+        f"StreamingTrainer: {type(model).__name__} has loss_type={getattr(model, 'loss_type', None)!r}, so the "
+        f"plain transformers Trainer would count the {'shifted' if theirs else 'unshifted'} labels for "
+        f"num_items_in_batch ({theirs_n} tokens in this batch), while the model's loss scores the "
+        f"{'shifted' if ours else 'unshifted'} ones ({ours_n} tokens), which StreamingTrainer counts: its loss and "
+        f"gradients are the model's exact mean and differ from the plain Trainer's{factor}. "
+        "To make both agree, set model.loss_type to the loss the model computes "
+        "(\"ForCausalLM\" for a causal LM); see docs/integrations.md",
+        UserWarning,
+        stacklevel=caller_stacklevel(),
+    )
+    return True

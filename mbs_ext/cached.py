@@ -1,0 +1,192 @@
+"""Losses that couple the rows of a mini-batch (contrastive, in-batch negatives): gradient caching.
+
+A loss such as InfoNCE scores every row against every other row of the mini-batch, so it is
+not a sum of per-micro-batch losses: streamed as one, each micro-batch would see only its own
+negatives (on a two-tower InfoNCE model, a gradient 59% away from the full batch's). The
+exact streamed form caches gradients at the encodings:
+
+1. a no-grad forward of every micro-batch gives the per-row encodings, which are small
+   (:func:`forward`);
+2. the loss runs once on all of them, with the encodings as leaves: it gives the mini-batch
+   loss, d loss / d encoding for every row, and the gradient of parameters the loss itself
+   uses (a learned temperature);
+3. each micro-batch is forwarded again with grad and back-propagated with its rows' slice of
+   those encoding gradients.
+
+Pass 3 is an ordinary streamed step (ring, rollback, scaler, clipping, non-finite policy) over
+the batch plus one column of row positions, whose per-micro-batch loss is
+``sum(encoding * its cached gradient)``: its gradient is the micro-batch's exact share, the
+parameters of pass 2 enter once (on the micro-batch holding row 0), and the losses add up
+(``normalize="sum"``). Passes 1 and 2 leave no trace (RNG, buffers, ``.grad`` restored);
+pass 3 replays each micro-batch's RNG state of pass 1, so dropout draws the same numbers in
+both forwards as long as the split is the same (not after an out-of-memory back-off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from mbs_ext import batch as _batch
+from mbs_ext.loss import autocast
+from mbs_ext.model import check_grad_mode, model_device, trainable
+from mbs_ext.probe import probing
+from mbs_ext.ring import StreamRing
+
+__all__ = ["CachedLoss", "forward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedLoss:
+    """A loss over the whole mini-batch's encodings, streamed exactly (gradient caching).
+
+    ``encode(model, micro_batch)`` returns a tensor, or a tuple/list/dict of tensors, whose
+    dim 0 is the micro-batch's rows. ``loss(model, encoded)`` gets the same structure with
+    every micro-batch's rows concatenated in batch order and returns the 0-dim mini-batch
+    loss. Pass it as ``loss_fn`` to :func:`mbs_ext.step`, :func:`mbs_ext.accumulate` or a
+    :class:`mbs_ext.MicroBatchStreamer`; ``normalize`` does not apply (the loss sees the
+    whole mini-batch). One process only for now: under DDP or FSDP2 it is refused.
+    """
+
+    encode: Callable[[nn.Module, Any], Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+
+    def __post_init__(self) -> None:
+        for name in ("encode", "loss"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"CachedLoss: {name} must be callable as {name}(model, ...), "
+                                f"got {type(getattr(self, name)).__name__}")
+
+    def __call__(self, model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        raise TypeError("CachedLoss is not a per-micro-batch loss: pass it as loss_fn to mbs_ext.step, "
+                        "mbs_ext.accumulate or MicroBatchStreamer, which run its passes")
+
+
+def forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any], *, micro_batch_size: int,
+            indices: torch.Tensor | None = None, autocast_dtype: torch.dtype | None = None) -> Any:
+    """``fn(model, micro_batch)`` for every micro-batch of ``batch`` (or of its rows at
+    ``indices``), under ``torch.no_grad()``, concatenated in batch order: the structure ``fn``
+    returns, each tensor with the mini-batch's rows. For evaluation and embedding at batch
+    sizes beyond device memory; the outputs stay on the model's device."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1 for mbs_ext.forward, got {micro_batch_size!r}")
+    device = model_device(model)
+    info = _batch.check(batch, indices, device)
+    return _concat(_encode_all(model, batch, fn, micro_batch_size, info.indices, autocast_dtype, device))
+
+
+def _encode_all(model: nn.Module, batch: Any, fn: Callable, m: int, indices: torch.Tensor | None,
+                autocast_dtype: torch.dtype | None, device: torch.device) -> list[Any]:
+    """Each micro-batch's ``fn`` output, detached, in batch order."""
+    ring = StreamRing(device)
+    outs = []
+    try:
+        for mb in ring.stream(batch, m, indices=indices, copy=device.type != "cpu"):
+            with torch.no_grad(), autocast(device, autocast_dtype):
+                outs.append(pytree.tree_map(_detached, fn(model, mb)))
+    finally:
+        ring.close()
+    return outs
+
+
+def _detached(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"CachedLoss.encode / forward's fn must return tensors (dim 0: the micro-batch's rows), "
+                        f"got {type(x).__name__}")
+    return x.detach()
+
+
+def _concat(parts: list[Any]) -> Any:
+    leaves = [pytree.tree_flatten(p) for p in parts]
+    spec = leaves[0][1]
+    for k, (_, s) in enumerate(leaves):
+        if s != spec:
+            raise ValueError(f"micro-batch {k}'s encoding has another structure than micro-batch 0's: {s} vs {spec}")
+    return pytree.tree_unflatten([torch.cat(col) for col in zip(*(lv for lv, _ in leaves))], spec)
+
+
+@dataclasses.dataclass
+class _Surrogate:
+    """Pass 3's per-micro-batch loss: ``sum(encode(model, rows) * cached gradient of rows)``, plus
+    the loss's own parameters' gradient on the micro-batch holding row 0 (and a NaN there when
+    the mini-batch loss is not finite, so the step's non-finite policy applies to it)."""
+
+    encode: Callable[[nn.Module, Any], Any]
+    grads: list[torch.Tensor | None]  # per encoding leaf: d loss / d encoding, all rows
+    spec: Any
+    direct: list[tuple[nn.Parameter, torch.Tensor]]  # parameters the loss uses itself, and their gradient
+    guard: torch.Tensor  # 0-dim: 0.0, or NaN when the mini-batch loss is not finite
+    device: torch.device
+
+    def __call__(self, model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        rows, positions = micro_batch
+        out = self.encode(model, rows)
+        leaves, spec = pytree.tree_flatten(out)
+        if spec != self.spec:
+            raise ValueError(f"CachedLoss.encode returned another structure in the second pass: {spec} vs {self.spec}")
+        terms = []
+        for leaf, grad in zip(leaves, self.grads):
+            if grad is not None:  # in at least float32, in float64 for float64 encodings
+                dtype = torch.promote_types(torch.promote_types(leaf.dtype, grad.dtype), torch.float32)
+                terms.append((leaf.to(dtype) * grad.index_select(0, positions).to(dtype)).sum())
+        once = [(p * g).sum() for p, g in self.direct] + [self.guard]
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms + once) else torch.float32
+        first = (positions == 0).any().to(dtype)  # 1 on the micro-batch holding row 0, read on the device
+        return sum((t.to(dtype) for t in terms), first * sum(t.to(dtype) for t in once))
+
+
+def check_supported(model: nn.Module, options: Any) -> None:
+    """Refuse, before anything runs, what CachedLoss does not do yet."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel) or any(
+        hasattr(m, "_get_fsdp_state") for m in model.modules())
+    if world > 1 or wrapped or options.process_group is not None:
+        raise ValueError("CachedLoss runs in one process only for now: under DDP or FSDP2 its loss would need every "
+                         "rank's encodings. Stream it on one process, or use a loss that adds up over rows")
+    if options.micro_batch_size == "auto":
+        raise ValueError("micro_batch_size='auto' is not planned for CachedLoss yet (its two passes and the "
+                         "cached encodings): pass an int")
+    if options.normalize is not None:
+        raise ValueError("normalize does not apply to CachedLoss (its loss sees the whole mini-batch): leave it unset")
+
+
+def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
+    """One CachedLoss step (or accumulate) on ``streamer``'s model, optimizer and options."""
+    cached: CachedLoss = streamer.loss_fn
+    model, options = streamer.model, streamer.options
+    check_supported(model, options)
+    check_grad_mode()
+    device = model_device(model)
+    info = _batch.check(batch, indices, device)
+    if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
+        batch, indices = _batch.take(batch, info.indices), None
+    m = int(options.micro_batch_size)
+    params = trainable(model)
+    with probing(model, device):
+        encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
+        leaves, spec = pytree.tree_flatten(encoded)
+        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in leaves]
+        with autocast(device, options.autocast_dtype):
+            loss = cached.loss(model, pytree.tree_unflatten(leaves, spec))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"CachedLoss.loss must return a 0-dim tensor, got {getattr(loss, 'shape', type(loss))}")
+        wrt = [t for t in leaves if t.requires_grad] + params
+        got = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
+    enc_grads = iter(got[: len(wrt) - len(params)])
+    grads = [next(enc_grads) if t.requires_grad else None for t in leaves]
+    direct = [(p, g) for p, g in zip(params, got[len(wrt) - len(params):]) if g is not None]
+    value = loss.detach()
+    surrogate = _Surrogate(cached.encode, grads, spec, direct, value - value, device)
+    positions = torch.arange(info.rows)
+    child = type(streamer)(model, streamer.optimizer, surrogate,
+                           options=dataclasses.replace(options, normalize="sum"))
+    child.cache = streamer.cache
+    result = child._run((batch, positions), None, stepping)
+    return dataclasses.replace(result, loss=float(value))
+

@@ -1,0 +1,248 @@
+"""CachedLoss: a loss that couples the rows (InfoNCE with in-batch negatives) streamed exactly.
+
+The reference is one full-batch ``loss(model, encode(model, batch)).backward()`` step of an
+identical float64 model; plain streaming of the same loss per micro-batch is shown to be
+wrong, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from common import assert_bit_identical, rel_err, snapshot
+from torch import nn
+
+import mbs_ext
+
+N, D_IN, D = 21, 6, 5  # 21 rows: uneven splits for every micro-batch size below
+
+
+class TwoTower(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = nn.Sequential(nn.Linear(D_IN, 12), nn.Tanh(), nn.Dropout(dropout), nn.Linear(12, D))
+        self.doc = nn.Sequential(nn.Linear(D_IN, 12), nn.Tanh(), nn.Linear(12, D))
+        self.log_temperature = nn.Parameter(torch.tensor(0.3))  # used by the loss only
+        self.double()
+
+
+def encode(model: TwoTower, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.query(mb["q"]), model.doc(mb["d"])
+
+
+def info_nce(model: TwoTower, encoded: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    q, d = (F.normalize(t, dim=1) for t in encoded)
+    logits = q @ d.t() / model.log_temperature.exp()
+    target = torch.arange(q.shape[0], device=q.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+
+
+LOSS = mbs_ext.CachedLoss(encode, info_nce)
+
+
+def pairs(n: int = N, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, D_IN, generator=g, dtype=torch.float64)
+    return {"q": q, "d": q + 0.3 * torch.randn(n, D_IN, generator=g, dtype=torch.float64)}
+
+
+def full_batch_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = info_nce(model, encode(model, batch))
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def assert_same_grads_and_params(model: nn.Module, ref: nn.Module, tol: float = 1e-12) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= tol, name
+        assert rel_err(p, q) <= tol, name
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, N])
+def test_step_equals_the_full_batch_step(m):
+    model, ref = TwoTower(), TwoTower()
+    opt, ropt = sgd(model), sgd(ref)
+    for seed in (1, 2):  # twice: momentum carries the first step into the second
+        batch = pairs(seed=seed)
+        ref_loss = full_batch_step(ref, ropt, batch)
+        res = mbs_ext.step(model, opt, batch, LOSS, micro_batch_size=m)
+        assert res.loss == pytest.approx(ref_loss, rel=1e-12)
+        assert res.num_micro_batches == -(-N // m) and not res.skipped
+        assert_same_grads_and_params(model, ref)
+    assert model.log_temperature.grad is not None  # the loss's own parameter, counted once
+
+
+def test_plain_streaming_of_the_same_loss_is_what_cached_loss_fixes():
+    """The per-micro-batch InfoNCE (each micro-batch its own negatives) is far from the
+    full batch: the reason CachedLoss exists, and proof this comparison can fail."""
+    model, ref = TwoTower(), TwoTower()
+    full_batch_step(ref, sgd(ref), pairs())
+    mbs_ext.accumulate(model, pairs(), lambda mod, mb: info_nce(mod, encode(mod, mb)), micro_batch_size=4)
+    errors = [rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+    assert max(errors) > 0.1
+
+
+def test_accumulate_leaves_the_full_batch_gradient_in_grad():
+    model, ref = TwoTower(), TwoTower()
+    loss = info_nce(ref, encode(ref, pairs()))
+    loss.backward()
+    res = mbs_ext.accumulate(model, pairs(), LOSS, micro_batch_size=5)
+    assert res.loss == pytest.approx(loss.item(), rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-12
+
+
+def test_indices_gather_rows_and_repeated_rows_count_twice():
+    dataset = pairs(n=30, seed=4)
+    indices = torch.tensor([3, 7, 7, 29, 0, 12, 3, 18, 5, 21, 9, 26, 14])
+    model, ref = TwoTower(), TwoTower()
+    opt, ropt = sgd(model), sgd(ref)
+    ref_loss = full_batch_step(ref, ropt, {k: v[indices] for k, v in dataset.items()})
+    res = mbs_ext.step(model, opt, dataset, LOSS, micro_batch_size=4, indices=indices)
+    assert res.loss == pytest.approx(ref_loss, rel=1e-12)
+    assert_same_grads_and_params(model, ref)
+
+
+def test_dropout_draws_the_same_numbers_in_both_forwards():
+    """With dropout, the reference keeps one graph over the micro-batches' encodings drawn in
+    order from the same generator state: pass 3 must replay pass 1's draws to match it."""
+    model, ref = TwoTower(dropout=0.5), TwoTower(dropout=0.5)
+    batch, m = pairs(), 6
+    torch.manual_seed(123)
+    bounds = [(0, 6), (6, 11), (11, 16), (16, 21)]  # the balanced split of 21 rows at 6
+    parts = [encode(ref, {k: v[a:b] for k, v in batch.items()}) for a, b in bounds]
+    info_nce(ref, tuple(torch.cat(t) for t in zip(*parts))).backward()
+    torch.manual_seed(123)
+    mbs_ext.accumulate(model, batch, LOSS, micro_batch_size=m)
+    assert mbs_ext.ring.split_sizes(N, m) == [6, 5, 5, 5]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-12
+
+
+@pytest.mark.parametrize("where", ["encode", "loss", "second_pass"])
+def test_an_error_in_any_pass_changes_nothing(where):
+    model = TwoTower(dropout=0.2)
+    opt = sgd(model)
+    mbs_ext.step(model, opt, pairs(), LOSS, micro_batch_size=4)  # momentum state exists
+    calls = [0]
+
+    def bad_encode(mod, mb):
+        calls[0] += 1
+        if (where == "encode" and calls[0] == 3) or (where == "second_pass" and calls[0] == 6 + 4):
+            raise RuntimeError(f"injected in {where}")
+        return encode(mod, mb)
+
+    def bad_loss(mod, enc):
+        if where == "loss":
+            raise RuntimeError("injected in loss")
+        return info_nce(mod, enc)
+
+    before, rng = snapshot(model, opt), torch.get_rng_state()
+    with pytest.raises(RuntimeError, match=f"injected in {where}"):
+        mbs_ext.step(model, opt, pairs(seed=5), mbs_ext.CachedLoss(bad_encode, bad_loss), micro_batch_size=4)
+    assert_bit_identical(snapshot(model, opt), before)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_non_finite_mini_batch_loss_follows_the_non_finite_policy():
+    model = TwoTower()
+    opt = sgd(model)
+    before = snapshot(model, opt)
+    nan_loss = mbs_ext.CachedLoss(encode, lambda mod, enc: info_nce(mod, enc) * float("nan"))
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        res = mbs_ext.step(model, opt, pairs(), nan_loss, micro_batch_size=4)
+    assert res.skipped
+    assert_bit_identical(snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"micro_batch_size": "auto", "memory_budget": 2**30}, "'auto' is not planned for CachedLoss"),
+    ({"micro_batch_size": 4, "normalize": "samples"}, "normalize does not apply to CachedLoss"),
+])
+def test_what_cached_loss_does_not_do_is_refused_before_anything_runs(kwargs, match):
+    model = TwoTower()
+    opt = sgd(model)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=match):
+        mbs_ext.step(model, opt, pairs(), LOSS, **kwargs)
+    assert_bit_identical(snapshot(model, opt), before)
+
+
+def test_cached_loss_is_not_a_per_micro_batch_loss():
+    with pytest.raises(TypeError, match="pass it as loss_fn"):
+        LOSS(TwoTower(), pairs())
+    with pytest.raises(TypeError, match="encode must be callable"):
+        mbs_ext.CachedLoss(None, info_nce)
+
+
+def test_forward_concatenates_micro_batch_outputs_in_batch_order():
+    model = TwoTower(dropout=0.0)
+    batch = pairs(n=30)
+    indices = torch.tensor([4, 4, 29, 0, 17, 8, 22])
+    with torch.no_grad():
+        want = encode(model, batch)
+        want_idx = encode(model, {k: v[indices] for k, v in batch.items()})
+    got = mbs_ext.forward(model, batch, encode, micro_batch_size=7)
+    got_idx = mbs_ext.forward(model, batch, encode, micro_batch_size=3, indices=indices)
+    for a, b in zip(got + got_idx, want + want_idx):
+        assert rel_err(a, b) <= 1e-13 and not a.requires_grad  # sub-batch matmuls round alike, not bit-alike
+    with pytest.raises(ValueError, match="micro_batch_size must be an int"):
+        mbs_ext.forward(model, batch, encode, micro_batch_size="auto")
+
+
+def test_the_model_is_unchanged_by_the_first_two_passes_when_the_step_is_refused_later():
+    """A copy stepped by CachedLoss and one stepped by the full batch stay equal over three
+    steps with Adam (state, bias corrections): nothing of passes 1 and 2 leaks into the step."""
+    model, ref = TwoTower(), copy.deepcopy(TwoTower())
+    opt, ropt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for seed in (1, 2, 3):
+        full_batch_step(ref, ropt, pairs(seed=seed))
+        mbs_ext.step(model, opt, pairs(seed=seed), LOSS, micro_batch_size=6)
+    assert_same_grads_and_params(model, ref, tol=1e-10)
+
+
+# --- check_streamable -------------------------------------------------------------------------
+
+
+def test_check_streamable_flags_in_batch_negatives_and_names_cached_loss():
+    model = TwoTower()
+    before, rng = snapshot(model), torch.get_rng_state()
+    with pytest.raises(ValueError, match="couples the rows.*CachedLoss"):
+        mbs_ext.check_streamable(model, pairs(), lambda mod, mb: info_nce(mod, encode(mod, mb)), micro_batch_size=4)
+    assert_bit_identical(snapshot(model), before)
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+    mbs_ext.check_streamable(model, pairs(), LOSS, micro_batch_size=4)  # the fix passes
+
+
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss(), nn.MSELoss()], ids=["cross_entropy", "mse"])
+def test_check_streamable_passes_losses_that_add_up_over_rows(loss):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, D_IN, generator=g)
+    classes = isinstance(loss, nn.CrossEntropyLoss)
+    y = torch.randint(0, 4, (40,), generator=g) if classes else torch.randn(40, 4, generator=g)
+    before = snapshot(model)
+    mbs_ext.check_streamable(model, (x, y), loss, micro_batch_size=8)
+    assert_bit_identical(snapshot(model), before)
+
+
+def test_check_streamable_names_batchnorm_when_it_is_the_cause():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(3)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        mbs_ext.check_streamable(model, (torch.randn(32, D_IN, generator=g), torch.randn(32, 1, generator=g)),
+                                 nn.MSELoss(), micro_batch_size=8)
+    assert_bit_identical(snapshot(model), before)  # running statistics included
