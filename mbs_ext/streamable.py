@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from mbs_ext import batch as _batch
 from mbs_ext.model import model_device
+from mbs_ext.probe import probing
 from mbs_ext.step import accumulate
 
 __all__ = ["check_streamable"]
@@ -44,16 +45,14 @@ def check_streamable(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
     sample = pytree.tree_map(_as_float64, _batch.take(batch, torch.arange(n)))
     m = min(micro_batch_size, max(1, n // 2))
     grads = []
-    rng = torch.get_rng_state()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for size in (n, m):
-                twin = _float64_twin(model)
-                accumulate(twin, sample, loss_fn, micro_batch_size=size, **options)
-                grads.append([p.grad for p in twin.parameters() if p.grad is not None])
-    finally:
-        torch.set_rng_state(rng)
+    # probing() puts the RNG streams back (the CPU's and, for a CUDA model, the device's), as
+    # after the planner's probes; the model's own buffers and .grad are not touched here.
+    with probing(model, model_device(model)), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for size in (n, m):
+            twin = _float64_twin(model)
+            accumulate(twin, sample, loss_fn, micro_batch_size=size, **options)
+            grads.append([p.grad for p in twin.parameters() if p.grad is not None])
     full, streamed = grads
     worst = max((_rel(a, b) for a, b in zip(streamed, full)), default=0.0)
     if len(full) != len(streamed) or worst > tol:
