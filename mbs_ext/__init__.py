@@ -17,10 +17,10 @@ from mbs_ext.cached import CachedLoss, forward
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.options import StepOptions
 from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
-from mbs_ext.ranks import PeerFailed
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streamable import check_streamable
+from mbs_ext.world import PeerFailed
 
 
 def build_info() -> dict:

@@ -14,10 +14,20 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 from mbs_ext.messages import add_note, caller_stacklevel
-from mbs_ext.probe import is_out_of_memory
 
 R = TypeVar("R")
+
+_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
 
 
 def largest_fitting(fits_at: Callable[[int], bool], failed: int) -> int | None:
@@ -65,16 +75,7 @@ def with_backoff(
         except BaseException as exc:
             if not out_of_memory(exc) or not retryable(exc) or (size == 1 and agree is None):
                 raise
-            origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
-            exc.__traceback__ = None
-            free()
-            probe = _Probe(fits_at)
-            smaller = _found(probe, size, agree)
-            if smaller is None:
-                add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                              f"even 1 row{' on some rank' if agree else ''}.{probe.failure} Where the error was "
-                              "raised (its frames were freed for the probes):\n" + origin.rstrip())
-                raise exc from None
+            smaller = _smaller(exc, size, fits_at, free, agree)
             del exc
             warnings.warn(
                 f"mbs_ext.step: out of memory at micro_batch_size={size}; "
@@ -84,6 +85,23 @@ def with_backoff(
             )
             remember(smaller)
             size = smaller
+
+
+def _smaller(exc: BaseException, size: int, fits_at: Callable[[int], bool], free: Callable[[], None],
+             agree: Callable[[int | None], int | None] | None) -> int:
+    """The size to redo at after ``exc`` at ``size``; raises ``exc`` (noted) where none fits. The
+    failed attempt's frames are dropped first: the probes need the memory they hold."""
+    origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+    exc.__traceback__ = None
+    free()
+    probe = _Probe(fits_at)
+    smaller = _found(probe, size, agree)
+    if smaller is None:
+        add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
+                      f"even 1 row{' on some rank' if agree else ''}.{probe.failure} Where the error was "
+                      "raised (its frames were freed for the probes):\n" + origin.rstrip())
+        raise exc from None
+    return smaller
 
 
 class _Probe:

@@ -37,6 +37,7 @@ from mbs_ext.loss import autocast
 from mbs_ext.model import check_grad_mode, model_device, trainable
 from mbs_ext.probe import probing
 from mbs_ext.ring import StreamRing
+from mbs_ext.world import world_of
 
 __all__ = ["CachedLoss", "forward"]
 
@@ -142,11 +143,7 @@ class _Surrogate:
 
 def check_supported(model: nn.Module, options: Any) -> None:
     """Refuse, before anything runs, what CachedLoss does not do yet."""
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    wrapped = isinstance(model, nn.parallel.DistributedDataParallel) or any(
-        hasattr(m, "_get_fsdp_state") for m in model.modules())
-    if world > 1 or wrapped or options.process_group is not None:
+    if world_of(model, trainable(model), options.process_group).group is not None:
         raise ValueError("CachedLoss runs in one process only for now: under DDP or FSDP2 its loss would need every "
                          "rank's encodings. Stream it on one process, or use a loss that adds up over rows")
     if options.micro_batch_size == "auto":

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from mbs_ext._native import _C as native
+from mbs_ext.backoff import is_out_of_memory
 from mbs_ext.grads import buffer_layout
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
 from mbs_ext.planner import cuda_room
 from mbs_ext.probe import (
     PeakTracker,
     RssPeak,
-    is_out_of_memory,
     malloc_trim,
     measure_peak,
     measure_saved_bytes,

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mbs_ext.gather import Agreement
 from mbs_ext.grads import AutogradSink, BufferSink
 from mbs_ext.messages import caller_stacklevel
 from mbs_ext.normalize import Normalizer, first_nonfinite, nonfinite_at
 from mbs_ext.options import StepOptions
 from mbs_ext.rollback import StepGuard
+from mbs_ext.world.record import Record
 
 
 @dataclass
@@ -59,7 +59,7 @@ def finish(
     optimizer: torch.optim.Optimizer,
     guard: StepGuard,
     device: torch.device,
-    agreement: Agreement,
+    record: Record,
 ) -> Finished:
     """Read, decide, and step (or roll back a skipped step)."""
     scaler = options.scaler
@@ -79,9 +79,9 @@ def finish(
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    read = _read([found, agreement.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()],
+    read = _read([found, record.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()],
                  device)
-    agreement.raise_if_failed(read[1])
+    record.raise_if_failed(read[1])
     loss = normalizer.check(*read[3:])
     grad_norm = read[2] if norm is not None else None
     skipped = _should_skip(loss, read[0] != 0, normalizer, options, device)
@@ -99,7 +99,7 @@ def finish(
 
 
 def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, options: StepOptions,
-                     guard: StepGuard, device: torch.device, agreement: Agreement) -> Finished:
+                     guard: StepGuard, device: torch.device, record: Record) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
     ``.grad`` for the caller's own optimizer step. With ``on_nonfinite="raise"`` a non-finite
@@ -107,8 +107,8 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
     caller's scaler's to handle), and the step's rollback puts the caller's gradients back."""
     raising = options.on_nonfinite == "raise"
     found = sink.nonfinite(False) if raising and options.scaler is None else 0.0
-    read = _read([found, agreement.failed(), *normalizer.device_values()], device)
-    agreement.raise_if_failed(read[1])
+    read = _read([found, record.failed(), *normalizer.device_values()], device)
+    record.raise_if_failed(read[1])
     loss = normalizer.check(*read[2:])
     if raising and (read[0] != 0 or not math.isfinite(loss)):
         what = "gradient" if math.isfinite(loss) else "loss"

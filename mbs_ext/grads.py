@@ -304,23 +304,6 @@ class BufferSink:
         self.bufs.release()
 
 
-def sink_dtype(requested: torch.dtype | None, params: list[nn.Parameter], distributed: bool) -> torch.dtype | None:
-    """dtype of the step's accumulation buffers (None: autograd accumulates in ``.grad``).
-
-    Across ranks always buffers: every micro-batch runs under DDP's ``no_sync`` and the
-    step sums one flat buffer per device itself, after the step's collective has said
-    whether every rank got through its micro-batches. A rank that failed can take part in
-    that sum with buffers of the same size, which it could not do in DDP's bucketed
-    backward without a forward of its own, so no rank is left waiting.
-    """
-    dtype = accumulation_dtype(requested, params)
-    if dtype is None and distributed:
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-    return dtype
-
-
-def make_sink(params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None,
-              distributed: bool = False):
-    """The sink for ``params``: float buffers when :func:`sink_dtype` asks for them."""
-    dtype = sink_dtype(requested, params, distributed)
+def make_sink(params: list[nn.Parameter], device: torch.device, dtype: torch.dtype | None) -> AutogradSink | BufferSink:
+    """The sink for ``params``: float buffers of ``dtype``, or autograd's own ``.grad`` (None)."""
     return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype)

@@ -385,3 +385,12 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     if dtype is None:
         return _NO_AUTOCAST
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def rule_and_call(made: dict, loss_fn: Callable, normalize: Any, pair: bool) -> tuple[Rule, Callable]:
+    """The count rule and the loss call, made once per loss reduction (a caller may change it
+    between steps) and batch kind: the checks behind them need not run every step."""
+    key = (getattr(loss_fn, "reduction", None), pair)
+    if key not in made:
+        made[key] = (rule_for(loss_fn, normalize), loss_caller(loss_fn, pair))
+    return made[key]

@@ -18,7 +18,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from mbs_ext._native import _C  # also loads the op registrations
-from mbs_ext.sharded import is_dtensor
 
 _OP = torch.ops.mbs_ext.scale_accumulate_
 _FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
@@ -134,6 +133,12 @@ def _as_found_inf(found_inf: torch.Tensor | None, device: torch.device) -> torch
     if found_inf.requires_grad and torch.is_grad_enabled():
         raise ValueError("found_inf requires grad; it is written in place: pass a plain float32 tensor")
     return found_inf
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients)."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _refuse_dtensors(*groups: Any) -> None:

@@ -28,12 +28,12 @@ from torch import nn
 
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
+from mbs_ext.backoff import is_out_of_memory
 from mbs_ext.grads import accumulation_dtype, buffer_layout
 from mbs_ext.model import check_grad_mode, check_model, model_device, trainable
 from mbs_ext.options import check_memory_budget
 from mbs_ext.probe import (
     RssPeak,
-    is_out_of_memory,
     measure_peak,
     measure_saved_bytes,
     probe_batch,

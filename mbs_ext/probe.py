@@ -29,20 +29,11 @@ from torch.utils._pytree import tree_flatten
 
 from mbs_ext import batch as _batch
 from mbs_ext import loss as _loss
+from mbs_ext.backoff import is_out_of_memory
 from mbs_ext.batchnorm import deferred_layers
 from mbs_ext.model import members, model_device
-from mbs_ext.ranks import unwrap
 from mbs_ext.rollback import Snapshot
-
-_HOST_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError, MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(msg in str(exc) for msg in _HOST_OOM_MESSAGES)
-
+from mbs_ext.world.wrappers import unwrap
 
 
 @contextlib.contextmanager
@@ -299,22 +290,21 @@ def measure_peak(
     device = model_device(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if accumulating and p.requires_grad else None
+    def forward_backward() -> None:  # the loss and its graph are freed on return
+        with _loss.autocast(device, autocast_dtype):
+            loss = call(model, micro_batch)
+        loss.float().backward()
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        with _loss.autocast(device, autocast_dtype):
-            loss = call(model, micro_batch)
-        loss.float().backward()
-        del loss
+        forward_backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         with (RssPeak() if meter == "rss" else PeakTracker()) as tracker:
-            with _loss.autocast(device, autocast_dtype):
-                loss = call(model, micro_batch)
-            loss.float().backward()
-            del loss
+            forward_backward()
         peak = tracker.peak
     for p in model.parameters():
         p.grad = None

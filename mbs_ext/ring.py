@@ -177,8 +177,9 @@ class RingIterator:
         # micro-batch is a view of the whole leaf (its own tensor, as a split's pieces are:
         # a loss that calls requires_grad_() on its inputs does not change the caller's batch).
         ranges = leaves is not None and indices is None and sizes is not None
-        self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf.detach(),) for leaf in leaves] \
-            if ranges else None
+        self._pieces = None
+        if ranges:
+            self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf.detach(),) for leaf in leaves]
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)

@@ -13,7 +13,8 @@ import torch
 from common import balanced_sizes
 from torch import nn
 
-from mbs_ext import backoff, batch, finish, model, normalize, options, ranks, ring
+from mbs_ext import backoff, batch, counts, finish, model, normalize, options, ring, world
+from mbs_ext.world import record, wrappers
 
 
 class TestStepOptions:
@@ -47,8 +48,9 @@ class TestStepOptions:
 
 
 def _normalizer(rule, sizes):
-    return normalize.Normalizer(rule, rows=sum(sizes), num_micro_batches=len(sizes), device=torch.device("cpu"),
-                                ranks=ranks.Ranks(None, None, 1))
+    """The normalizer of one process, its count source chosen as the step chooses it."""
+    source = counts.choose(rule, None, None, sizes, torch.device("cpu"), alone=True)
+    return normalize.Normalizer(rule, source, num_micro_batches=len(sizes), device=torch.device("cpu"))
 
 
 def _ranges(sizes):
@@ -92,16 +94,16 @@ class TestNormalizer:
         for r in _ranges([2, 2, 2]):
             norm.count(None, r)
         norm.settle()
-        loss_sum, total, bad = (float(v) for v in norm.device_values())
+        read = [float(v) for v in norm.device_values()]
         with pytest.raises(ValueError, match=r"returned an invalid count at micro-batch 1 of 3 \(rows \[2, 4\)"):
-            norm.check(loss_sum, total, bad)
+            norm.check(*read)
 
     def test_zero_total_is_an_error(self):
         norm = _normalizer(normalize.Rule("count", lambda mb: 0, "c"), [2])
         norm.count(None, (0, 2))
         norm.settle()
         with pytest.raises(ValueError, match="sum to 0"):
-            norm.check(0.0, 0.0, 0.0)
+            norm.check(0.0, 0.0, 0.0, 0.0)  # loss sum, total, no invalid count here or elsewhere
 
     def test_zero_count_adds_no_nan_loss(self):
         counts = iter([torch.tensor(0.0), torch.tensor(2.0)])
@@ -125,7 +127,8 @@ class TestNormalizer:
     def test_one_micro_batch_takes_no_target_count_while_its_loss_is_finite(self):
         norm, read, calls = self._one_micro_batch(1.5, 0.0)
         assert norm.check(*read) == 1.5 and calls == []
-        assert not normalize.on_trust(norm.rule, 2, norm.ranks)  # several micro-batches: counts weigh them
+        several = counts.choose(norm.rule, None, None, [2, 2], torch.device("cpu"), alone=True)
+        assert not isinstance(several, counts.Trusted)  # several micro-batches: counts weigh them
 
     def test_one_micro_batch_counts_its_targets_when_its_loss_is_not_finite(self):
         norm, read, calls = self._one_micro_batch(float("nan"), 3.0)
@@ -280,10 +283,10 @@ class TestModelWalk:
         assert {(id(m), name, id(b)) for m, name, b in found.slots} == expected
 
 
-class TestRanks:
+class TestWorld:
     def test_plain_model_without_distributed_is_one_rank(self):
-        r = ranks.Ranks.of(lin := nn.Linear(2, 2), list(lin.parameters()))
-        assert (r.ddp, r.group, r.world) == (None, None, 1)
+        r = world.world_of(lin := nn.Linear(2, 2), list(lin.parameters()))
+        assert (type(r), r.group, r.size) == (world.World, None, 1)
 
     def test_unwrap_sees_through_wrappers_only(self):
         class Net(nn.Module):  # a user's model with a submodule called "module"
@@ -295,13 +298,12 @@ class TestRanks:
                 return self.head(self.module(x))
 
         net = Net()
-        assert ranks.unwrap(net) is net
-        assert ranks.unwrap(torch.compile(net)) is net
-        assert ranks.find_ddp(torch.compile(net)) is None
+        assert wrappers.unwrap(net) is net
+        assert wrappers.unwrap(torch.compile(net)) is net
+        assert wrappers.find_ddp(torch.compile(net)) is None
 
     def test_all_reduce_sum_keeps_order_of_host_and_device_values(self):
-        r = ranks.Ranks(None, None, 1)
-        out = r.all_reduce_sum([1.0, torch.tensor(2.0), 3.0], torch.device("cpu"), host_tail=[4.0, 5.0])
+        out = record.all_reduce_sum([1.0, torch.tensor(2.0), 3.0, 4.0, 5.0], torch.device("cpu"), None)
         assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
@@ -309,17 +311,17 @@ class TestFailureRecord:
     """The failure record that rides in the step's collective (summed over ranks)."""
 
     def test_slots_say_which_rank_failed_where_and_how(self):
-        one = ranks.Ranks(None, None, 3, rank=1).failure_slots(ranks.Failure(2, out_of_memory=True))
-        two = ranks.Ranks(None, None, 3, rank=2).failure_slots(ranks.Failure(-1, out_of_memory=False))
+        one = record.failure_slots(3, 1, record.Failure(2, out_of_memory=True))
+        two = record.failure_slots(3, 2, record.Failure(-1, out_of_memory=False))
         assert one == [0.0, 4.0, 0.0, 0.0, 1.0, 0.0]
-        assert ranks.Ranks(None, None, 3, rank=0).failure_slots(None) == [0.0] * 6
+        assert record.failure_slots(3, 0, None) == [0.0] * 6
         summed = [a + b for a, b in zip(one, two)]
-        with pytest.raises(ranks.PeerFailed, match=r"rank 1 ran out of memory at micro-batch 2; "
-                                                   r"rank 2 raised before its first micro-batch; every rank undid"):
-            ranks.Ranks(None, None, 3, rank=0).raise_failures(summed)
+        with pytest.raises(record.PeerFailed, match=r"rank 1 ran out of memory at micro-batch 2; "
+                                                    r"rank 2 raised before its first micro-batch; every rank undid"):
+            record.raise_failures(summed, 3, 0)
 
     def test_a_rank_is_not_told_of_its_own_failure(self):
-        ranks.Ranks(None, None, 3, rank=1).raise_failures([0.0, 3.0, 0.0, 0.0, 0.0, 0.0])  # nothing raised
+        record.raise_failures([0.0, 3.0, 0.0, 0.0, 0.0, 0.0], 3, 1)  # nothing raised
 
 
 class TestCountsAhead:
@@ -336,7 +338,7 @@ class TestCountsAhead:
         for indices in (None, torch.randperm(23, generator=g)[:17]):
             rows = targets if indices is None else targets[indices]
             sizes = ring.split_sizes(len(rows), 4)
-            ahead = normalize.counts_ahead(rule, targets, indices, sizes)
+            ahead = counts.counts_ahead(rule, targets, indices, sizes)
             per_micro_batch = [rule.count((None, rows[a:b])) for a, b in _ranges(sizes)]
             assert ahead == pytest.approx(per_micro_batch, rel=1e-15, abs=0)
             assert sum(ahead) == pytest.approx(float(((rows != 2) * (1.0 if weight is None else weight[rows])).sum()))
@@ -345,15 +347,15 @@ class TestCountsAhead:
         from mbs_ext import loss
 
         ce = loss.rule_for(nn.CrossEntropyLoss(), None)
-        assert normalize.counts_ahead(ce, None, None, [2]) is None  # no (inputs, targets) pair
-        assert normalize.counts_ahead(ce, torch.rand(4, 3), None, [4]) is not None  # probability targets
-        assert normalize.counts_ahead(normalize.rule_of(lambda mb: 1.0), torch.zeros(4, dtype=torch.long), None,
+        assert counts.counts_ahead(ce, None, None, [2]) is None  # no (inputs, targets) pair
+        assert counts.counts_ahead(ce, torch.rand(4, 3), None, [4]) is not None  # probability targets
+        assert counts.counts_ahead(normalize.rule_of(lambda mb: 1.0), torch.zeros(4, dtype=torch.long), None,
                                       [4]) is None  # a user's callable sees each micro-batch
-        assert normalize.counts_ahead(normalize.rule_of("samples"), torch.zeros(4), None, [4]) is None
+        assert counts.counts_ahead(normalize.rule_of("samples"), torch.zeros(4), None, [4]) is None
 
     def test_a_negative_class_weight_is_refused(self):
         from mbs_ext import loss
 
         rule = loss.rule_for(nn.CrossEntropyLoss(weight=torch.tensor([1.0, -1.0])), None)
         with pytest.raises(ValueError, match="non-negative"):
-            normalize.counts_ahead(rule, torch.tensor([0, 1, 1]), None, [2, 1])
+            counts.counts_ahead(rule, torch.tensor([0, 1, 1]), None, [2, 1])

@@ -44,9 +44,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from mbs_ext import batch as _batch
 from mbs_ext import model as _model
 from mbs_ext.options import StepOptions, make_options
-from mbs_ext.ranks import find_ddp
 from mbs_ext.step import MicroBatchStreamer, StepResult
 from mbs_ext.step import accumulate as _accumulate
+from mbs_ext.world.wrappers import find_ddp
 
 __all__ = ["StreamingDDPStrategy", "StreamingSingleDeviceStrategy", "StreamingStrategy", "accumulate"]
 

@@ -243,8 +243,8 @@ def _warn_if_counts_differ(trainer: StreamingTrainer, batch: Any) -> bool:
     explicit ``normalize``, with ``shift_labels`` (both use them), or when the plain Trainer
     passes no count at all (``model_accepts_loss_kwargs`` false: the model's own mean, as here).
     """
-    if trainer.stream_options.normalize is not None or not isinstance(batch, Mapping) or "labels" not in batch \
-            or "shift_labels" in batch or not trainer.model_accepts_loss_kwargs:
+    if (trainer.stream_options.normalize is not None or not isinstance(batch, Mapping) or "labels" not in batch
+            or "shift_labels" in batch or not trainer.model_accepts_loss_kwargs):
         return True
     model = trainer.model
     ours, theirs = loss_shifts_labels(model), bool(getattr(trainer, "_loss_shifts_labels", False))

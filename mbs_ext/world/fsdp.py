@@ -18,7 +18,7 @@ not begun the failing micro-batch's collectives: a forward pre-hook ahead of FSD
 (:func:`forward_watch`) tells whether the model's forward was entered. If not, the
 failing rank runs the rest of its micro-batches at zero weight, so that every
 all-gather and reduce-scatter pairs up, and shares its failure in the step's collective
-after the pass (:mod:`mbs_ext.gather`). A failure inside the forward or the backward
+after the pass (:mod:`mbs_ext.world.shards`). A failure inside the forward or the backward
 leaves FSDP half-way through collectives that the failing rank cannot replay.
 """
 
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
+
+from mbs_ext.ops import is_dtensor
 
 
 def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
@@ -47,12 +49,6 @@ def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
         raise ValueError(f"accumulation buffers ({buffer_dtype}) under FSDP2: FSDP accumulates the sharded "
                          "gradients itself. Keep float32 parameters and compute in bf16 through "
                          "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
-
-
-def is_dtensor(t: Any) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients)."""
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    return dtensor is not None and isinstance(t, dtensor)
 
 
 def dtensor_params(params: list[nn.Parameter]) -> list[nn.Parameter]:

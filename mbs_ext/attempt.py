@@ -1,0 +1,153 @@
+"""One attempt at a step at one micro-batch size, and how far it got.
+
+An attempt splits the rows, guards everything the step may change
+(:mod:`~mbs_ext.rollback`), then calls the world's hooks in order - buffers and sink,
+the normalizer with its count source, the agreement on micro-batches - streams the
+micro-batches through the pass (:mod:`~mbs_ext.forward_backward`), settles in the
+world's collective and finishes (:mod:`~mbs_ext.finish`). On any error it undoes
+everything, notes where it failed, and shares the failure with the other ranks through
+the world before out-of-memory back-off (:mod:`~mbs_ext.backoff`) decides to redo it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mbs_ext.batch import BatchInfo
+from mbs_ext.batchnorm import warn_split_statistics
+from mbs_ext.finish import StepResult, finish, finish_gradients
+from mbs_ext.forward_backward import ForwardBackward
+from mbs_ext.messages import add_note
+from mbs_ext.normalize import Rule
+from mbs_ext.options import StepOptions
+from mbs_ext.ring import StreamRing, split_sizes
+from mbs_ext.rollback import StepGuard
+from mbs_ext.world import PeerFailed, Phase, World
+
+
+@dataclass
+class Call:
+    """One ``step`` call's checked inputs."""
+
+    params: list[nn.Parameter]
+    batch: Any
+    info: BatchInfo
+    device: torch.device
+    world: World
+    rule: Rule
+    loss_call: Callable[[nn.Module, Any], torch.Tensor]
+    batchnorms: list = field(default_factory=list)
+    normalizing: list = field(default_factory=list)  # BatchNorms using batch statistics: warned of when split
+    found: Any = None  # the model's walk (mbs_ext.model.Members): its buffers, for the rollback snapshot
+
+
+class Attempt:
+    """How far the latest attempt got: what back-off, error notes and a failing rank need to know."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.fb: ForwardBackward | None = None
+        self.guard: StepGuard | None = None
+        self.phase = Phase.CHECKING
+        self.shared = False  # this attempt's failure was shared with the other ranks
+        self.oom_together = False  # ... and every rank that failed ran out of memory while streaming
+
+    def run(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions,
+            ring: StreamRing, call: Call, m: int) -> StepResult:
+        """Stream every micro-batch at size ``m`` and finish (step where ``optimizer`` is given);
+        on any error undo everything first."""
+        sizes = split_sizes(call.info.rows, m)
+        warn_split_statistics(model, call.normalizing, len(sizes))
+        device, world = call.device, call.world
+        guard = StepGuard(call.found, call.params, optimizer, options.scaler, device, call.batchnorms)
+        self.fb, self.guard, self.phase, self.shared, self.oom_together = None, guard, Phase.CHECKING, False, False
+        sink = None
+        try:
+            guard.begin()  # old gradients go before new buffers are allocated
+            self.phase = Phase.SYNCING_BUFFERS
+            sink = world.start(call.params, device, options.accumulate_dtype)
+            normalizer = world.normalizer(call.rule, call.batch, call.info, sizes, device)
+            self.phase = Phase.AGREEING
+            padded = world.agree(normalizer, len(sizes), device)
+            self.phase = Phase.STREAMING
+            self.fb = ForwardBackward(model, call.loss_call, options, normalizer, sink, world, device, len(sizes),
+                                      padded)
+            with world.streaming():
+                # A CPU model reads row ranges of the host batch in place: nothing to stage.
+                self.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
+            self.phase = Phase.COLLECTING
+            record = world.collect(normalizer, sink)
+            t_finish = time.perf_counter()
+            if optimizer is not None:
+                done = finish(call.params, sink, normalizer, options, optimizer, guard, device, record)
+            else:
+                done = finish_gradients(sink, normalizer, options, guard, device, record)
+        except BaseException as exc:
+            guard.rollback(clear_grads=True)
+            if sink is not None:
+                sink.release()
+            if not isinstance(exc, PeerFailed):
+                add_note(exc, self.where(call, m, exc))
+            if isinstance(exc, Exception):  # before back-off: every rank must decide alike
+                self.share_failure(exc, call.params, device, options.accumulate_dtype)
+            raise
+        stats = ring.stats()  # totals of this step's stream
+        timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
+        timings.update(compute_s=self.fb.compute_s, step_s=time.perf_counter() - t_finish)
+        return StepResult(
+            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.info.rows,
+            skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
+        )
+
+    def share_failure(self, exc: Exception, params: list[nn.Parameter], device: torch.device,
+                      accumulate_dtype: torch.dtype | None) -> None:
+        """A failure before the step's collective, told to the other ranks once (the world's
+        :meth:`~mbs_ext.world.World.share_failure`). Not for PeerFailed: the others know already."""
+        if isinstance(exc, PeerFailed):
+            self.oom_together = exc.out_of_memory
+            return
+        if self.phase >= Phase.COLLECTING or self.shared:
+            return
+        self.shared = True
+        caught_up = self.fb is not None and self.fb.caught_up
+        self.oom_together = self.world.share_failure(exc, self.micro_batch, self.phase, caught_up, params, device,
+                                                     accumulate_dtype)
+
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """Whether a smaller micro-batch may cure ``exc`` (across ranks: as the shared record says)."""
+        return self.world.out_of_memory(exc, self.oom_together)
+
+    @property
+    def micro_batch(self) -> int:
+        """The micro-batch in progress (-1 before the first)."""
+        return self.fb.index if self.fb is not None and self.fb.index < self.fb.padded else -1
+
+    def retryable(self, exc: BaseException) -> bool:
+        """Back off only while nothing irreversible happened, where the world allows it."""
+        if self.guard is None or self.guard.stepping:
+            return False
+        streaming = self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
+        return self.world.backs_off(streaming)
+
+    def where(self, call: Call, m: int, exc: BaseException) -> str:
+        fb = self.fb
+        if fb is None or fb.index < 0:
+            text = "mbs_ext.step: failed before the first micro-batch"
+        elif fb.index >= fb.padded:
+            text = f"mbs_ext.step: failed after all {fb.num_mb} micro-batches, while finishing the step"
+        elif fb.index >= fb.num_mb:
+            text = (f"mbs_ext.step: failed at micro-batch {fb.index}, one of zero weight that keeps FSDP's "
+                    f"collectives paired with ranks that have more")
+        elif fb.rows is None:
+            text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb}, while the ring made it"
+        else:
+            of = "indices" if call.info.indices is not None else "the mini-batch"
+            text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
+                    f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
+        return text + self.world.failure_note(exc, m)

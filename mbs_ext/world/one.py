@@ -1,0 +1,161 @@
+"""One process: the world every step runs in when nothing is shared with other ranks.
+
+:class:`World` defines every hook the step, the pass and the normalizer call; a
+subclass changes what differs across ranks (:class:`~mbs_ext.world.replicas.Replicas`
+for DDP or ``process_group=``, :class:`~mbs_ext.world.shards.Shards` for FSDP2). In
+one process the hooks do the least: no buffer sync, no agreement, no collective, and a
+failure is this process's own.
+
+The hooks, in the order a step calls them:
+
+* before the pass: :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
+  sync, then the gradient sink), :meth:`normalizer` (the count source, chosen once, and
+  the total where this world knows it ahead), :meth:`agree` (how many micro-batches run);
+* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`before_backward`,
+  :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
+* after it: :meth:`collect` (the step's one collective, then the gradient sums);
+* on failure and back-off: :meth:`share_failure`, :meth:`out_of_memory`,
+  :meth:`backs_off`, :meth:`backoff`, :meth:`failure_note`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from mbs_ext import counts
+from mbs_ext.backoff import is_out_of_memory
+from mbs_ext.batch import BatchInfo
+from mbs_ext.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
+from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.options import StepOptions
+from mbs_ext.world.record import Record
+
+Sink = AutogradSink | BufferSink
+
+
+class Pass(Protocol):
+    """What a world reads of the pass (:class:`~mbs_ext.forward_backward.ForwardBackward`) to run
+    zero-weight micro-batches in it."""
+
+    model: nn.Module
+    loss_call: Callable[[nn.Module, Any], torch.Tensor]
+    options: StepOptions
+    sink: Sink
+    device: torch.device
+    watch: Any
+    template: Any  # the latest micro-batch
+    index: int  # the micro-batch in progress
+    padded: int  # how many every rank runs
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per micro-batch
+
+
+class Phase(enum.IntEnum):
+    """How far an attempt at a step got. Each phase is entered *before* its work begins, so a
+    failure inside a collective is known to have been inside it (and is not joined twice)."""
+
+    CHECKING = 0  # inputs checked, plans made: nothing shared with other ranks yet
+    SYNCING_BUFFERS = 1  # the buffer broadcast (DDP) and the gradient sink
+    AGREEING = 2  # the ranks agree on their micro-batches (FSDP2)
+    STREAMING = 3  # the micro-batches
+    COLLECTING = 4  # the step's one collective: from here on a failure is each rank's own
+
+
+class World:
+    """One process (the base of every world: each hook does what one process needs)."""
+
+    group: Any = None
+    size = 1
+    rank = 0
+    # Whether every micro-batch must run its forward and backward, even one that counts no
+    # items (FSDP2: collectives run inside them).
+    runs_every_micro_batch = False
+
+    # ---- before the pass
+    def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
+        """What this world refuses, before anything changes."""
+
+    def buffer_dtype(self, requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
+        """dtype of the step's accumulation buffers (None: autograd accumulates in ``.grad``)."""
+        return accumulation_dtype(requested, params)
+
+    def start(self, params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> Sink:
+        """Buffers as every rank has them, then the sink the micro-batches' gradients go to."""
+        return make_sink(params, device, self.buffer_dtype(requested, params))
+
+    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
+                   device: torch.device) -> Normalizer:
+        """The step's normalizer, its count source chosen once; one process knows the total ahead
+        wherever the source does."""
+        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=True)
+        normalizer = Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+        if normalizer.denom is not None:
+            normalizer.fix(normalizer.denom)
+        return normalizer
+
+    def agree(self, normalizer: Normalizer, num_micro_batches: int, device: torch.device) -> int:
+        """How many micro-batches this rank runs (more than its own where others have more)."""
+        return num_micro_batches
+
+    # ---- the pass
+    def streaming(self) -> contextlib.AbstractContextManager:
+        """Around the whole pass."""
+        return _NO_CONTEXT
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Around each micro-batch's forward and backward."""
+        return _NO_CONTEXT
+
+    def before_backward(self, last: bool, options: StepOptions) -> None:
+        """Before each micro-batch (``last``: the step's last one on this rank)."""
+
+    def watch(self, model: nn.Module) -> Any:
+        """Something that tells whether a failing micro-batch's forward began (None: not needed)."""
+        return None
+
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
+        """A micro-batch that weighs nothing, run only to pair collectives with other ranks."""
+        raise RuntimeError("zero-weight micro-batches run only where ranks must pair their collectives")
+
+    def catch_up(self, pass_: Pass) -> bool:
+        """After a failure mid-pass: run what the other ranks still wait for; whether that worked."""
+        return False
+
+    # ---- after the pass
+    def collect(self, normalizer: Normalizer, sink: Sink) -> Record:
+        """The totals settled, the gradient sums rescaled (and across ranks summed) into ``.grad``."""
+        if not normalizer.settled:
+            normalizer.settle()
+        if sink.buffered:
+            sink.finish(normalizer.rescale_factor(), sink.presence())
+        return Record()
+
+    # ---- failures and back-off
+    def share_failure(self, exc: Exception, micro_batch: int, phase: Phase, caught_up: bool,
+                      params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> bool:
+        """A failure at ``micro_batch`` (-1: before the first) before the step's collective, told to
+        the other ranks so that every rank raises; returns whether every rank that failed ran out
+        of memory while streaming."""
+        return False
+
+    def out_of_memory(self, exc: BaseException, together: bool) -> bool:
+        """Whether a smaller micro-batch may cure ``exc`` (``together``: what the ranks shared)."""
+        return is_out_of_memory(exc)
+
+    def backs_off(self, streaming: bool) -> bool:
+        """Whether out-of-memory back-off may redo the step (only where a smaller micro-batch helps)."""
+        return streaming
+
+    def backoff(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, Callable | None]:
+        """The module probes run on, and the agreement on one size across ranks (None: alone)."""
+        return model, None
+
+    def failure_note(self, exc: BaseException, micro_batch_size: int) -> str:
+        """What to add to the message of a failed step."""
+        return ""

@@ -1,0 +1,164 @@
+"""Replicas: DistributedDataParallel, or a replicated model with ``process_group=``.
+
+Every rank holds the whole model and streams its own rows. The step sums the gradients
+itself: every micro-batch runs under DDP's ``no_sync``, gradients add up in float
+buffers, and after the pass one collective (:mod:`mbs_ext.world.record`) settles the
+global count and loss, whether a count or a gradient went bad anywhere, which
+parameters got a gradient on some rank, and which ranks failed; then one all-reduce per
+device sums the buffers. Buffers, not ``.grad``: a rank that failed can take part in
+that sum with zeros of the same size, which it could not do in DDP's bucketed backward
+without a forward of its own, so no rank is left waiting.
+
+A rank that fails before the collective takes part in each collective it missed (the
+buffer broadcast, the step's collective, the buffer sum) with zeros and its failure
+record, and raises its own error; the others raise
+:class:`~mbs_ext.world.record.PeerFailed`. What this cannot cover: a rank dying outright
+(its peers wait until the process group times out), and a failure after the collective
+(the cast into ``.grad``, the optimizer step), which each rank meets alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mbs_ext import counts
+from mbs_ext.backoff import is_out_of_memory
+from mbs_ext.batch import BatchInfo
+from mbs_ext.grads import GradBuffers
+from mbs_ext.messages import add_note
+from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.world.one import _NO_CONTEXT, Phase, Sink, World
+from mbs_ext.world.record import (
+    Failure,
+    Layout,
+    PeerFailed,
+    Record,
+    all_reduce_sum,
+    out_of_memory_while_streaming,
+    raise_failures,
+)
+from mbs_ext.world.wrappers import unwrap
+
+
+class Replicas(World):
+    """Ranks of ``group`` that each hold the whole model (``ddp``: its DDP module, if any)."""
+
+    def __init__(self, ddp: DistributedDataParallel | None, group: Any) -> None:
+        self.ddp, self.group = ddp, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def buffer_dtype(self, requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
+        """Always buffers (see the module docstring), float64 where some parameter is."""
+        dtype = super().buffer_dtype(requested, params)
+        if dtype is None:
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        return dtype
+
+    def start(self, params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> Sink:
+        self.sync_buffers()
+        return super().start(params, device, requested)
+
+    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
+                   device: torch.device) -> Normalizer:
+        """Counts weigh this rank against the others: always taken, the total only known after the pass."""
+        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
+        return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+
+    def no_sync(self):
+        """DDP's ``no_sync`` for every micro-batch: the step sums the gradients itself."""
+        return self.ddp.no_sync() if self.ddp is not None else _NO_CONTEXT
+
+    def sync_buffers(self) -> None:
+        """Rank 0's module buffers to every rank, once per step before the first micro-batch, as
+        DDP's forward does each iteration (``broadcast_buffers``). DDP's own broadcast is switched
+        off for the step's forwards: it would run in whichever forward comes first, which a rank
+        that fails before it never reaches, leaving the others waiting."""
+        ddp = self.ddp
+        if ddp is None:
+            return
+        ddp.require_forward_param_sync = False  # DDP's own broadcast: off for the step's forwards
+        if getattr(ddp, "broadcast_buffers", False):
+            self._broadcast_buffers(ddp)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
+        ignore = getattr(ddp, "parameters_to_ignore", set())
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for name, b in ddp.module.named_buffers():
+            if name not in ignore:
+                groups.setdefault((b.device, b.dtype), []).append(b)
+        src = dist.get_global_rank(self.group, 0)
+        for bufs in groups.values():
+            flat = torch._utils._flatten_dense_tensors(bufs)
+            dist.broadcast(flat, src=src, group=self.group)
+            for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
+                b.copy_(v)
+
+    def collect(self, normalizer: Normalizer, sink: Sink) -> Record:
+        """The step's collective, then the buffers summed over the ranks and cast into ``.grad``."""
+        got = sink.presence()
+        layout = Layout(self.size, self.rank, presence=len(got))
+        total, loss_sum, invalid = normalizer.local_values()
+        record = layout.read(all_reduce_sum(layout.pack(
+            total=total, loss_sum=loss_sum, invalid_counts=invalid, nonfinite=sink.local_nonfinite(), presence=got,
+        ), normalizer.device, self.group))
+        normalizer.settle((record.head("total"), record.head("loss_sum"), record.head("invalid_counts")))
+        if not all(got):
+            # Which .grad exist must be known on the host (a host sync, only when this rank's
+            # micro-batches left some parameter without a gradient).
+            got = [v > 0 for v in record.presence().tolist()]
+        sink.finish(normalizer.rescale_factor(), got, self.group,
+                    found=(record.head("nonfinite") > 0).to(torch.float32))
+        return record
+
+    def share_failure(self, exc: Exception, micro_batch: int, phase: Phase, caught_up: bool,
+                      params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> bool:
+        """The buffer broadcast unless this rank got that far, zeros in the step's collective with
+        this rank's failure record, zero buffers in the sum. Notes on ``exc`` what the others were
+        told; where every failure was out of memory while streaming, every rank backs off."""
+        failure = Failure(micro_batch, is_out_of_memory(exc))
+        text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
+        together = False
+        try:
+            if phase < Phase.SYNCING_BUFFERS:
+                self.sync_buffers()
+            layout = Layout(self.size, self.rank, presence=len(params))
+            record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
+            bufs = GradBuffers(params, self.buffer_dtype(requested, params))
+            bufs.all_reduce(self.group)
+            bufs.release()
+            slots = record.failure_slots().tolist()
+            together = out_of_memory_while_streaming(slots, self.size)
+            raise_failures(slots, self.size, self.rank)
+        except PeerFailed as also:
+            text += f"\n{also}"
+        except Exception as join_exc:  # the process group itself failed: nothing more to do
+            text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
+                    "until the process group times out")
+        add_note(exc, text)
+        return together
+
+    def out_of_memory(self, exc: BaseException, together: bool) -> bool:
+        """What the ranks shared (every rank reads the same), not this rank's own error."""
+        return together
+
+    def backs_off(self, streaming: bool) -> bool:
+        """Every rank decides alike, from the shared record (:meth:`out_of_memory`)."""
+        return True
+
+    def backoff(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, Callable | None]:
+        """Probes run on the module under DDP (no collectives); the ranks take the smallest size found."""
+        return unwrap(model), lambda size: self.agree_size(size, device)
+
+    def agree_size(self, size: int | None, device: torch.device) -> int | None:
+        """The smallest micro-batch size any rank found (None where some rank found none). One
+        all-reduce and one host read, on the back-off path only."""
+        t = torch.tensor([float(size or 0)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item()) or None

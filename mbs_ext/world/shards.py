@@ -1,0 +1,174 @@
+"""Shards: a model sharded by FSDP2 (``fully_shard``), whose collectives run inside every
+forward and backward (:mod:`mbs_ext.world.fsdp` holds the FSDP2 specifics).
+
+Every rank must therefore run the same number of micro-batches. Before the first one,
+each rank counts all its micro-batches ahead and one small all-reduce gives every rank
+the largest number of micro-batches and the global total of the counts: each
+micro-batch's weight is exact from the start, and a rank with fewer micro-batches runs
+zero-weight ones. FSDP reduces the gradients itself (summing: :func:`fsdp.summing`);
+after the pass the step's collective (:mod:`mbs_ext.world.record`, no presence slots)
+settles the loss, the checks and the failure record.
+
+A rank that fails mid-stream can fail together with the others only if FSDP has not
+begun the failing micro-batch's collectives: then it runs the rest at zero weight
+(:meth:`Shards.catch_up`) and shares its failure in the step's collective. A failure
+inside a forward or backward leaves FSDP half-way through collectives that the failing
+rank cannot replay: the others wait until the process group times out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mbs_ext import counts
+from mbs_ext.backoff import is_out_of_memory
+from mbs_ext.batch import BatchInfo, row_slices
+from mbs_ext.grads import LOW_PRECISION, accumulation_dtype
+from mbs_ext.loss import autocast
+from mbs_ext.messages import add_note
+from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.options import StepOptions
+from mbs_ext.world import fsdp
+from mbs_ext.world.one import Pass, Phase, Sink, World
+from mbs_ext.world.record import Failure, Layout, PeerFailed, Record, all_reduce_sum, failure_slots, raise_failures
+from mbs_ext.world.wrappers import unwrap
+
+
+class Shards(World):
+    """Ranks of ``group`` holding shards of the FSDP2 ``modules``."""
+
+    runs_every_micro_batch = True
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: Any) -> None:
+        self.modules, self.group = modules, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
+        fsdp.check_options(options, accumulation_dtype(options.accumulate_dtype, params))
+
+    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
+                   device: torch.device) -> Normalizer:
+        """Every micro-batch counted ahead (the agreement needs this rank's total)."""
+        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
+        if not isinstance(source, counts.Ahead):
+            called = isinstance(source, counts.Called)
+            source = counts.Ahead([source.take(mb, rows) for mb, rows in
+                                   row_slices(batch, sizes, info.indices, needed=called)])
+        return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+
+    def agree(self, normalizer: Normalizer, num_micro_batches: int, device: torch.device) -> int:
+        """One all-reduce: the most micro-batches of any rank, and the global total (weights exact)."""
+        padded, total = self._agree(counts.local_total(normalizer.source.counts), num_micro_batches, device)
+        normalizer.fix(total)
+        return padded
+
+    def _agree(self, local_total: counts.Count, num_micro_batches: int, device: torch.device,
+               failure: Failure | None = None) -> tuple[int, torch.Tensor]:
+        """Also tells every rank whether one failed before it (then every rank raises here). One
+        host read: the pass needs its count."""
+        mine = [0.0] * self.size
+        mine[self.rank] = float(num_micro_batches)
+        values = all_reduce_sum([local_total, *mine, *failure_slots(self.size, self.rank, failure)], device,
+                                self.group)
+        tail = values[1:].tolist()
+        raise_failures(tail[self.size:], self.size, self.rank)
+        return int(max(tail[: self.size])), values[0]
+
+    def streaming(self):
+        return fsdp.summing(self.modules)
+
+    def before_backward(self, last: bool, options: StepOptions) -> None:
+        """Accumulating unsharded gradients: reduce-scatter in the last backward only."""
+        if options.fsdp_accumulate == "unsharded":
+            fsdp.set_gradient_sync(self.modules, last)
+
+    def watch(self, model: nn.Module) -> fsdp.ForwardWatch:
+        return fsdp.forward_watch(unwrap(model))
+
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
+        """One row of the latest real micro-batch, in eval mode, at weight 0. ``lenient`` (catching
+        up after a failure): should the loss function fail once the model's forward has run,
+        the backward goes through the model's outputs instead."""
+        self.before_backward(last, pass_.options)
+        pass_.watch.entered = False
+        with fsdp.padding(pass_.model), autocast(pass_.device, pass_.options.autocast_dtype):
+            with fsdp.outputs(unwrap(pass_.model), keep=lenient) as seen:
+                try:
+                    loss = pass_.loss_call(pass_.model, fsdp.one_row(pass_.template))
+                except Exception:
+                    if not seen:
+                        raise
+                    loss = fsdp.zero_through(seen[-1])
+        pass_.sink.backward(loss.float() if loss.dtype in LOW_PRECISION else loss, 0.0, pass_.options.scaler)
+
+    def catch_up(self, pass_: Pass) -> bool:
+        """After a failure at micro-batch ``pass_.index``: if its forward had not begun, run it and
+        every later one at zero weight (FSDP's collectives as on the other ranks). False where
+        that cannot be done: the forward began, no micro-batch arrived yet, or a zero-weight one
+        failed inside the model."""
+        if pass_.watch.entered or pass_.template is None:
+            return False
+        try:
+            for i in range(pass_.index, pass_.padded):
+                self.zero_weight(pass_, last=i == pass_.padded - 1, lenient=True)
+        except Exception:
+            return False
+        return True
+
+    def collect(self, normalizer: Normalizer, sink: Sink) -> Record:
+        """FSDP reduced the gradients itself; the ranks agree on the rest."""
+        layout = Layout(self.size, self.rank)
+        total, loss_sum, invalid = normalizer.local_values()
+        record = layout.read(all_reduce_sum(layout.pack(
+            total=total, loss_sum=loss_sum, invalid_counts=invalid, nonfinite=sink.local_nonfinite(),
+        ), normalizer.device, self.group))
+        normalizer.settle((record.head("total"), record.head("loss_sum"), record.head("invalid_counts")))
+        sink.found = (record.head("nonfinite") > 0).to(torch.float32)
+        return record
+
+    def share_failure(self, exc: Exception, micro_batch: int, phase: Phase, caught_up: bool,
+                      params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> bool:
+        """Before the ranks agreed on their micro-batches, the failure rides in that agreement;
+        while streaming, in the step's collective, provided the pass caught up."""
+        if phase >= Phase.AGREEING and not caught_up:
+            add_note(exc, f"mbs_ext.step: rank {self.rank} failed while streaming under FSDP2 and could not run "
+                          "the rest of FSDP's collectives (the failure came inside a forward or backward, or before "
+                          "any micro-batch arrived): the other ranks wait in them until the process group times out")
+            return False
+        failure = Failure(micro_batch, is_out_of_memory(exc))
+        text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
+        try:
+            if phase >= Phase.AGREEING:
+                layout = Layout(self.size, self.rank)
+                record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
+                raise_failures(record.failure_slots().tolist(), self.size, self.rank)
+            else:
+                self._agree(0.0, 0, device, failure)
+        except PeerFailed as also:
+            text += f"\n{also}"
+        except Exception as join_exc:  # the process group itself failed: nothing more to do
+            text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
+                    "until the process group times out")
+        add_note(exc, text)
+        return False
+
+    def out_of_memory(self, exc: BaseException, together: bool) -> bool:
+        return together
+
+    def backs_off(self, streaming: bool) -> bool:
+        """Never: the probes would run FSDP's collectives on one rank."""
+        return False
+
+    def backoff(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, Callable | None]:
+        return unwrap(model), None
+
+    def failure_note(self, exc: BaseException, micro_batch_size: int) -> str:
+        if micro_batch_size > 1 and is_out_of_memory(exc):
+            return ("\nmbs_ext.step: no out-of-memory back-off under FSDP2 (its probes would run FSDP's "
+                    "collectives on one rank); pass a smaller micro_batch_size")
+        return ""
