@@ -359,3 +359,99 @@ class TestCountsAhead:
         rule = loss.rule_for(nn.CrossEntropyLoss(weight=torch.tensor([1.0, -1.0])), None)
         with pytest.raises(ValueError, match="non-negative"):
             counts.counts_ahead(rule, torch.tensor([0, 1, 1]), None, [2, 1])
+
+
+class TestCountSources:
+    """Where counts come from is chosen once per step (counts.choose); each source on its own."""
+
+    CPU = torch.device("cpu")
+
+    def _choose(self, rule, sizes, targets=None, alone=True):
+        return counts.choose(rule, targets, None, sizes, self.CPU, alone=alone)
+
+    def test_choice_follows_the_rule_the_targets_and_the_world(self):
+        from mbs_ext import loss
+
+        ce = loss.rule_for(nn.CrossEntropyLoss(ignore_index=0), None)
+        targets = torch.tensor([0, 1, 2, 0, 1])
+        assert isinstance(self._choose(normalize.rule_of("samples"), [3, 2]), counts.Fixed)
+        assert isinstance(self._choose(ce, [5], targets), counts.Trusted)  # one micro-batch, alone
+        assert isinstance(self._choose(ce, [5], targets, alone=False), counts.Ahead)  # ranks weigh it
+        assert isinstance(self._choose(ce, [3, 2], targets), counts.Ahead)
+        assert isinstance(self._choose(ce, [3, 2]), counts.Called)  # no host targets
+        assert isinstance(self._choose(normalize.rule_of(lambda mb: 1.0), [3, 2], targets), counts.Called)
+
+    def test_fixed_counts_and_totals(self):
+        rows = [(0, 3), (3, 5)]
+        for kind, expected, total in [("samples", [3.0, 2.0], 5.0), ("micro_batches", [1.0, 1.0], 2.0),
+                                      ("sum", [1.0, 1.0], 1.0)]:
+            source = self._choose(normalize.rule_of(kind), [3, 2])
+            assert [source.take(None, r) for r in rows] == expected and source.total() == total
+
+    def test_ahead_hands_out_its_counts_in_order(self):
+        from mbs_ext import loss
+
+        source = self._choose(loss.rule_for(nn.CrossEntropyLoss(ignore_index=0), None), [3, 2],
+                              torch.tensor([0, 1, 2, 0, 0]))
+        assert [source.take(None, r) for r in [(0, 3), (3, 5)]] == [2.0, 0.0] and source.total() == 2.0
+
+    def test_called_checks_host_counts_at_once_and_keeps_device_counts(self):
+        values = iter([2, -1.0, True, torch.tensor(3.0), torch.ones(2)])
+        source = self._choose(normalize.rule_of(lambda mb: next(values)), [1] * 5)
+        assert source.take(None, (0, 1)) == 2.0 and source.total() is None
+        with pytest.raises(ValueError, match="non-negative finite"):
+            source.take(None, (1, 2))
+        with pytest.raises(TypeError, match="non-negative finite"):
+            source.take(None, (2, 3))
+        kept = source.take(None, (3, 4))
+        assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float64 and float(kept) == 3.0
+        with pytest.raises(ValueError, match="shape"):
+            source.take(None, (4, 5))
+
+    def test_trusted_counts_one_and_takes_the_count_only_when_asked(self):
+        calls = []
+        rule = normalize.Rule("count", lambda mb: calls.append(mb) or 0.0, "targets", per_row=lambda t: 1)
+        source = self._choose(rule, [4])
+        assert source.take("mb", (0, 4)) == 1.0 and source.total() == 1.0 and calls == []
+        assert source.zero_on_recount() and calls == ["mb"]
+
+
+class TestOneProcessWorld:
+    """The hooks of one process (the base every world builds on), and the collective's record."""
+
+    CPU = torch.device("cpu")
+
+    def test_buffers_only_for_low_precision_or_when_asked(self):
+        one = world.World()
+        assert one.buffer_dtype(None, [nn.Parameter(torch.zeros(2))]) is None
+        assert one.buffer_dtype(None, [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]) == torch.float32
+        assert one.buffer_dtype(torch.float64, [nn.Parameter(torch.zeros(2))]) == torch.float64
+
+    def test_normalizer_is_exact_where_the_total_is_known_ahead(self):
+        info = batch.check((torch.zeros(5, 2), torch.zeros(5)), None, self.CPU)
+        exact = world.World().normalizer(normalize.rule_of("samples"), None, info, [3, 2], self.CPU)
+        assert exact.exact and exact.denom == 5.0
+        called = world.World().normalizer(normalize.rule_of(lambda mb: 1.0), None, info, [3, 2], self.CPU)
+        assert not called.exact and called.denom is None
+
+    def test_alone_nothing_is_agreed_or_shared(self):
+        one = world.World()
+        assert one.agree(None, 3, self.CPU) == 3
+        assert one.share_failure(RuntimeError("x"), 1, world.Phase.STREAMING, False, [], self.CPU, None) is False
+        assert one.backs_off(True) and not one.backs_off(False)
+        phases = [world.Phase.CHECKING, world.Phase.SYNCING_BUFFERS, world.Phase.AGREEING, world.Phase.STREAMING,
+                  world.Phase.COLLECTING]
+        assert phases == sorted(phases) == list(world.Phase)
+
+    def test_record_layout_is_the_same_for_success_and_failure(self):
+        layout = record.Layout(world=2, rank=1, presence=3)
+        ok = layout.pack(total=4.0, loss_sum=2.0, invalid_counts=0.0, nonfinite=1.0, presence=[True, False, True])
+        failed = record.Layout(world=2, rank=0, presence=3).pack(failure=record.Failure(1, out_of_memory=True))
+        assert len(ok) == len(failed) == 4 + 3 + 2 * 2
+        summed = layout.read(record.all_reduce_sum([a + b for a, b in zip(ok, failed)], self.CPU, None))
+        assert [float(summed.head(n)) for n in record.Layout.HEAD] == [4.0, 2.0, 0.0, 1.0]
+        assert summed.presence().tolist() == [1.0, 0.0, 1.0]
+        assert float(summed.failed()) == 1.0
+        with pytest.raises(record.PeerFailed, match="rank 0 ran out of memory at micro-batch 1"):
+            summed.raise_if_failed(1.0)
+        assert record.Record().failed() == 0.0  # one process: nothing to read
