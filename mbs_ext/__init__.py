@@ -12,14 +12,14 @@ import torch
 from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnostics: reachable after `import mbs_ext`)
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
-from mbs_ext.batchnorm import BatchNormWarning, convert_batchnorm
-from mbs_ext.cached import CachedLoss, forward
+from mbs_ext.counts.cached import CachedLoss, forward
+from mbs_ext.counts.streamable import check_streamable
+from mbs_ext.memory.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ops import scale_accumulate_
-from mbs_ext.options import StepOptions
-from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
-from mbs_ext.ring import StreamRing
-from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
-from mbs_ext.streamable import check_streamable
+from mbs_ext.step.batchnorm import BatchNormWarning, convert_batchnorm
+from mbs_ext.step.options import StepOptions
+from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
+from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.world import PeerFailed
 
 

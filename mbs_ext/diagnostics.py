@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from mbs_ext._native import _C as native
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.grads import buffer_layout
-from mbs_ext.ops import _OP as scale_accumulate_unchecked
-from mbs_ext.planner import cuda_room
-from mbs_ext.probe import (
+from mbs_ext.memory.backoff import is_out_of_memory
+from mbs_ext.memory.planner import cuda_room
+from mbs_ext.memory.probe import (
     PeakTracker,
     RssPeak,
     malloc_trim,
@@ -27,7 +25,9 @@ from mbs_ext.probe import (
     measure_saved_bytes,
     proc_status,
 )
-from mbs_ext.ring import default_staging_threads
+from mbs_ext.ops import _OP as scale_accumulate_unchecked
+from mbs_ext.step.grads import buffer_layout
+from mbs_ext.streaming.ring import default_staging_threads, split_sizes
 
 __all__ = [
     "PeakTracker",
@@ -45,6 +45,7 @@ __all__ = [
     "proc_status",
     "pyplot",
     "scale_accumulate_unchecked",
+    "split_sizes",
 ]
 
 

@@ -124,7 +124,7 @@ def test_dropout_draws_the_same_numbers_in_both_forwards():
     info_nce(ref, tuple(torch.cat(t) for t in zip(*parts))).backward()
     torch.manual_seed(123)
     mbs_ext.accumulate(model, batch, LOSS, micro_batch_size=m)
-    assert mbs_ext.ring.split_sizes(N, m) == [6, 5, 5, 5]
+    assert mbs_ext.diagnostics.split_sizes(N, m) == [6, 5, 5, 5]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-12
 

@@ -13,7 +13,12 @@ import torch
 from common import balanced_sizes
 from torch import nn
 
-from mbs_ext import backoff, batch, counts, finish, model, normalize, options, ring, world
+from mbs_ext import world
+from mbs_ext.counts import normalize
+from mbs_ext.counts import sources as counts
+from mbs_ext.memory import backoff
+from mbs_ext.step import finish, model, options
+from mbs_ext.streaming import batch, ring
 from mbs_ext.world import record, wrappers
 
 
@@ -329,7 +334,7 @@ class TestCountsAhead:
 
     @pytest.mark.parametrize("weighted", [False, True])
     def test_equal_the_per_micro_batch_counts(self, weighted):
-        from mbs_ext import loss
+        from mbs_ext.counts import loss
 
         g = torch.Generator().manual_seed(0)
         weight = torch.rand(5, generator=g, dtype=torch.float64) if weighted else None
@@ -344,7 +349,7 @@ class TestCountsAhead:
             assert sum(ahead) == pytest.approx(float(((rows != 2) * (1.0 if weight is None else weight[rows])).sum()))
 
     def test_none_where_counts_are_taken_per_micro_batch(self):
-        from mbs_ext import loss
+        from mbs_ext.counts import loss
 
         ce = loss.rule_for(nn.CrossEntropyLoss(), None)
         assert counts.counts_ahead(ce, None, None, [2]) is None  # no (inputs, targets) pair
@@ -354,7 +359,7 @@ class TestCountsAhead:
         assert counts.counts_ahead(normalize.rule_of("samples"), torch.zeros(4), None, [4]) is None
 
     def test_a_negative_class_weight_is_refused(self):
-        from mbs_ext import loss
+        from mbs_ext.counts import loss
 
         rule = loss.rule_for(nn.CrossEntropyLoss(weight=torch.tensor([1.0, -1.0])), None)
         with pytest.raises(ValueError, match="non-negative"):
@@ -370,7 +375,7 @@ class TestCountSources:
         return counts.choose(rule, targets, None, sizes, self.CPU, alone=alone)
 
     def test_choice_follows_the_rule_the_targets_and_the_world(self):
-        from mbs_ext import loss
+        from mbs_ext.counts import loss
 
         ce = loss.rule_for(nn.CrossEntropyLoss(ignore_index=0), None)
         targets = torch.tensor([0, 1, 2, 0, 1])
@@ -389,7 +394,7 @@ class TestCountSources:
             assert [source.take(None, r) for r in rows] == expected and source.total() == total
 
     def test_ahead_hands_out_its_counts_in_order(self):
-        from mbs_ext import loss
+        from mbs_ext.counts import loss
 
         source = self._choose(loss.rule_for(nn.CrossEntropyLoss(ignore_index=0), None), [3, 2],
                               torch.tensor([0, 1, 2, 0, 0]))

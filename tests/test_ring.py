@@ -102,7 +102,7 @@ def check_stream(ring, batch, n, m, device="cpu"):
 
 
 def test_split_sizes_balanced():
-    from mbs_ext.ring import split_sizes
+    from mbs_ext.streaming.ring import split_sizes
 
     assert split_sizes(10, 4) == [4, 3, 3]
     assert split_sizes(8, 4) == [4, 4]

@@ -28,19 +28,19 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from mbs_ext import counts
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.batch import BatchInfo
-from mbs_ext.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
-from mbs_ext.normalize import Normalizer, Rule
-from mbs_ext.options import StepOptions
+from mbs_ext.counts import sources as counts
+from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.memory.backoff import is_out_of_memory
+from mbs_ext.step.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
+from mbs_ext.step.options import StepOptions
+from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.record import Record
 
 Sink = AutogradSink | BufferSink
 
 
 class Pass(Protocol):
-    """What a world reads of the pass (:class:`~mbs_ext.forward_backward.ForwardBackward`) to run
+    """What a world reads of the pass (:class:`~mbs_ext.step.forward_backward.ForwardBackward`) to run
     zero-weight micro-batches in it."""
 
     model: nn.Module

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mbs_ext import counts
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.batch import BatchInfo
-from mbs_ext.grads import GradBuffers
+from mbs_ext.counts import sources as counts
+from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
-from mbs_ext.normalize import Normalizer, Rule
+from mbs_ext.step.grads import GradBuffers
+from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.one import _NO_CONTEXT, Phase, Sink, World
 from mbs_ext.world.record import (
     Failure,

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext import counts
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.batch import BatchInfo, row_slices
-from mbs_ext.grads import LOW_PRECISION, accumulation_dtype
-from mbs_ext.loss import autocast
+from mbs_ext.counts import sources as counts
+from mbs_ext.counts.loss import autocast
+from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
-from mbs_ext.normalize import Normalizer, Rule
-from mbs_ext.options import StepOptions
+from mbs_ext.step.grads import LOW_PRECISION, accumulation_dtype
+from mbs_ext.step.options import StepOptions
+from mbs_ext.streaming.batch import BatchInfo, row_slices
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.record import Failure, Layout, PeerFailed, Record, all_reduce_sum, failure_slots, raise_failures

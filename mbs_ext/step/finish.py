@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mbs_ext.grads import AutogradSink, BufferSink
+from mbs_ext.counts.normalize import Normalizer, first_nonfinite, nonfinite_at
 from mbs_ext.messages import caller_stacklevel
-from mbs_ext.normalize import Normalizer, first_nonfinite, nonfinite_at
-from mbs_ext.options import StepOptions
-from mbs_ext.rollback import StepGuard
+from mbs_ext.step.grads import AutogradSink, BufferSink
+from mbs_ext.step.options import StepOptions
+from mbs_ext.step.rollback import StepGuard
 from mbs_ext.world.record import Record
 
 

@@ -8,7 +8,7 @@ split. For a sum (``"sum"``, ``reduction="sum"``) ``c_i = 1`` and ``D = 1``.
 ``"micro_batches"`` (``c_i = 1``, ``D = M``) is the rule of the micro-batch streaming
 papers, kept for comparison: it is wrong whenever micro-batches differ in size.
 
-Where the counts come from is chosen once per step (:mod:`mbs_ext.counts`). ``D`` is
+Where the counts come from is chosen once per step (:mod:`mbs_ext.counts.sources`). ``D`` is
 exact from the first micro-batch when the world knows it ahead (:meth:`Normalizer.fix`);
 otherwise a provisional denominator of the right magnitude (first count times M) weights
 the micro-batches, and what they accumulated is rescaled once the total is known
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mbs_ext.counts import INVALID_COUNT, Count, Source, local_total
+from mbs_ext.counts.sources import INVALID_COUNT, Count, Source, local_total
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch.nn.modules.loss import _Loss
 
+from mbs_ext.counts.normalize import Rule, rule_of
 from mbs_ext.messages import add_note
-from mbs_ext.normalize import Rule, rule_of
 
 LossCall = Callable[[nn.Module, Any], torch.Tensor]
 

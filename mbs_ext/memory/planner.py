@@ -13,7 +13,7 @@ outputs only, not what kernels allocate inside (convolution column buffers, oneD
 scratchpads: a U-Net's real peak is ~1.17x the tracker's). Probes restore RNG state, module buffers and ``.grad``, so
 planning never changes what the training step computes. ``default_budget`` and
 ``cuda_room`` know the device's real limit (the per-process memory fraction included).
-The probes themselves live in :mod:`~mbs_ext.probe`.
+The probes themselves live in :mod:`~mbs_ext.memory.probe`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import batch as _batch
-from mbs_ext import loss as _loss
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.grads import accumulation_dtype, buffer_layout
-from mbs_ext.model import check_grad_mode, check_model, model_device, trainable
-from mbs_ext.options import check_memory_budget
-from mbs_ext.probe import (
+from mbs_ext.counts import loss as _loss
+from mbs_ext.memory.backoff import is_out_of_memory
+from mbs_ext.memory.probe import (
     RssPeak,
     measure_peak,
     measure_saved_bytes,
@@ -40,6 +36,10 @@ from mbs_ext.probe import (
     probing,
     row_bytes,
 )
+from mbs_ext.step.grads import accumulation_dtype, buffer_layout
+from mbs_ext.step.model import check_grad_mode, check_model, model_device, trainable
+from mbs_ext.step.options import check_memory_budget
+from mbs_ext.streaming import batch as _batch
 
 CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by default
 # On the CPU, budgets from this size up are judged by the process's peak resident set

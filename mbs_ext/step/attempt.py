@@ -1,12 +1,12 @@
 """One attempt at a step at one micro-batch size, and how far it got.
 
 An attempt splits the rows, guards everything the step may change
-(:mod:`~mbs_ext.rollback`), then calls the world's hooks in order - buffers and sink,
+(:mod:`~mbs_ext.step.rollback`), then calls the world's hooks in order - buffers and sink,
 the normalizer with its count source, the agreement on micro-batches - streams the
-micro-batches through the pass (:mod:`~mbs_ext.forward_backward`), settles in the
-world's collective and finishes (:mod:`~mbs_ext.finish`). On any error it undoes
+micro-batches through the pass (:mod:`~mbs_ext.step.forward_backward`), settles in the
+world's collective and finishes (:mod:`~mbs_ext.step.finish`). On any error it undoes
 everything, notes where it failed, and shares the failure with the other ranks through
-the world before out-of-memory back-off (:mod:`~mbs_ext.backoff`) decides to redo it.
+the world before out-of-memory back-off (:mod:`~mbs_ext.memory.backoff`) decides to redo it.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext.batch import BatchInfo
-from mbs_ext.batchnorm import warn_split_statistics
-from mbs_ext.finish import StepResult, finish, finish_gradients
-from mbs_ext.forward_backward import ForwardBackward
+from mbs_ext.counts.normalize import Rule
 from mbs_ext.messages import add_note
-from mbs_ext.normalize import Rule
-from mbs_ext.options import StepOptions
-from mbs_ext.ring import StreamRing, split_sizes
-from mbs_ext.rollback import StepGuard
+from mbs_ext.step.batchnorm import warn_split_statistics
+from mbs_ext.step.finish import StepResult, finish, finish_gradients
+from mbs_ext.step.forward_backward import ForwardBackward
+from mbs_ext.step.options import StepOptions
+from mbs_ext.step.rollback import StepGuard
+from mbs_ext.streaming.batch import BatchInfo
+from mbs_ext.streaming.ring import StreamRing, split_sizes
 from mbs_ext.world import PeerFailed, Phase, World
 
 
@@ -44,7 +44,7 @@ class Call:
     loss_call: Callable[[nn.Module, Any], torch.Tensor]
     batchnorms: list = field(default_factory=list)
     normalizing: list = field(default_factory=list)  # BatchNorms using batch statistics: warned of when split
-    found: Any = None  # the model's walk (mbs_ext.model.Members): its buffers, for the rollback snapshot
+    found: Any = None  # the model's walk (mbs_ext.step.model.Members): its buffers, for the rollback snapshot
 
 
 class Attempt:

@@ -1,7 +1,7 @@
 """Measuring one micro-batch: its peak memory, what autograd saves, whether it fits at all.
 
-The planner (:mod:`~mbs_ext.planner`) and the out-of-memory back-off
-(:mod:`~mbs_ext.backoff`) both reason from these probes. A probe runs forward, loss and
+The planner (:mod:`~mbs_ext.memory.planner`) and the out-of-memory back-off
+(:mod:`~mbs_ext.memory.backoff`) both reason from these probes. A probe runs forward, loss and
 backward of a few rows taken from the batch and leaves no trace: RNG streams, module
 buffers, deferred BatchNorm statistics and ``.grad`` are as before.
 
@@ -27,12 +27,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mbs_ext import batch as _batch
-from mbs_ext import loss as _loss
-from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.batchnorm import deferred_layers
-from mbs_ext.model import members, model_device
-from mbs_ext.rollback import Snapshot
+from mbs_ext.counts import loss as _loss
+from mbs_ext.memory.backoff import is_out_of_memory
+from mbs_ext.step.batchnorm import deferred_layers
+from mbs_ext.step.model import members, model_device
+from mbs_ext.step.rollback import Snapshot
+from mbs_ext.streaming import batch as _batch
 from mbs_ext.world.wrappers import unwrap
 
 

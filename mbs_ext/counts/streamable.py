@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mbs_ext import batch as _batch
-from mbs_ext.model import model_device
-from mbs_ext.probe import probing
-from mbs_ext.step import accumulate
+from mbs_ext.memory.probe import probing
+from mbs_ext.step.model import model_device
+from mbs_ext.step.streamer import accumulate
+from mbs_ext.streaming import batch as _batch
 
 __all__ = ["check_streamable"]
 

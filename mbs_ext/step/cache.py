@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext import model as _model
-from mbs_ext import planner
-from mbs_ext.batch import BatchInfo
-from mbs_ext.options import StepOptions
-from mbs_ext.ring import StreamRing
+from mbs_ext.memory import planner
+from mbs_ext.step import model as _model
+from mbs_ext.step.options import StepOptions
+from mbs_ext.streaming.batch import BatchInfo
+from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.world import World, world_of
 
 Plans = dict[tuple, planner.MicroBatchPlan]  # "auto" plans, per input signature

@@ -1,6 +1,6 @@
 """Where each micro-batch's count comes from, chosen once per step (:func:`choose`).
 
-The count rule (:class:`~mbs_ext.normalize.Rule`) says *what* a micro-batch counts
+The count rule (:class:`~mbs_ext.counts.normalize.Rule`) says *what* a micro-batch counts
 (its rows, 1, its loss items); a source says *how* the count is taken:
 
 * :class:`Fixed` - ``"samples"`` (the rows), ``"micro_batches"`` and ``"sum"`` (1 each):
@@ -18,7 +18,7 @@ The count rule (:class:`~mbs_ext.normalize.Rule`) says *what* a micro-batch coun
   a reduction over the targets and a read, on the path of every step that fits in one
   micro-batch (the planner's common answer on a large device).
 
-The :class:`~mbs_ext.normalize.Normalizer` only asks a source for the next count and,
+The :class:`~mbs_ext.counts.normalize.Normalizer` only asks a source for the next count and,
 where it has one, the total ahead.
 """
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import loss as _loss
-from mbs_ext.grads import LOW_PRECISION, AutogradSink, BufferSink
-from mbs_ext.normalize import Normalizer
-from mbs_ext.options import StepOptions
+from mbs_ext.counts import loss as _loss
+from mbs_ext.counts.normalize import Normalizer
+from mbs_ext.step.grads import LOW_PRECISION, AutogradSink, BufferSink
+from mbs_ext.step.options import StepOptions
 from mbs_ext.world import World
 
 

@@ -1,7 +1,7 @@
 """Out-of-memory back-off: when a step may be redone smaller, and the largest size that fits.
 
 Halving after an out-of-memory error throws away up to half the micro-batch size the
-device could hold. Instead, single-micro-batch probes (:func:`mbs_ext.probe.fits`)
+device could hold. Instead, single-micro-batch probes (:func:`mbs_ext.memory.probe.fits`)
 bisect between 0 and the size that failed; the step is redone once, at the largest
 size found, and the caller remembers it. Across ranks, every rank probes on its own and
 one small all-reduce agrees on the smallest size any rank found.

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mbs_ext import batch as _batch
-from mbs_ext.loss import autocast
-from mbs_ext.model import check_grad_mode, model_device, trainable
-from mbs_ext.probe import probing
-from mbs_ext.ring import StreamRing
+from mbs_ext.counts.loss import autocast
+from mbs_ext.memory.probe import probing
+from mbs_ext.step.model import check_grad_mode, model_device, trainable
+from mbs_ext.streaming import batch as _batch
+from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.world import world_of
 
 __all__ = ["CachedLoss", "forward"]

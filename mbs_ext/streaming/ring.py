@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mbs_ext import batch as _batch
 from mbs_ext._native import _C
+from mbs_ext.streaming import batch as _batch
 
 __all__ = ["StreamRing", "RingIterator", "split_sizes", "default_staging_threads"]
 

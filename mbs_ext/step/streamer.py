@@ -8,15 +8,15 @@ the mini-batch's gradients in ``.grad``, for code that owns the step (a Trainer,
 framework's optimizer loop). Both run one code path; only the finish differs.
 
 This module only sequences; each component is handed what it needs and data flows one
-way: options (:mod:`~mbs_ext.options`) → checks (:mod:`~mbs_ext.model`,
-:mod:`~mbs_ext.batch`, :mod:`~mbs_ext.loss`) → micro-batch size (fixed, planned by
-:mod:`~mbs_ext.planner`, or learned by :mod:`~mbs_ext.backoff`) → the ring
-(:mod:`~mbs_ext.ring`) streams micro-batches into the pass
-(:mod:`~mbs_ext.forward_backward`), which weights them (:mod:`~mbs_ext.normalize`,
-counts from :mod:`~mbs_ext.counts`) and adds their gradients into a sink
-(:mod:`~mbs_ext.grads`) → the world's collective (:mod:`~mbs_ext.world`) → the finish
-(:mod:`~mbs_ext.finish`: one host sync, skip or step). Until the optimizer steps,
-everything is undone on any error (:mod:`~mbs_ext.rollback`). What differs between one
+way: options (:mod:`~mbs_ext.step.options`) → checks (:mod:`~mbs_ext.step.model`,
+:mod:`~mbs_ext.streaming.batch`, :mod:`~mbs_ext.counts.loss`) → micro-batch size (fixed, planned by
+:mod:`~mbs_ext.memory.planner`, or learned by :mod:`~mbs_ext.memory.backoff`) → the ring
+(:mod:`~mbs_ext.streaming.ring`) streams micro-batches into the pass
+(:mod:`~mbs_ext.step.forward_backward`), which weights them (:mod:`~mbs_ext.counts.normalize`,
+counts from :mod:`~mbs_ext.counts.sources`) and adds their gradients into a sink
+(:mod:`~mbs_ext.step.grads`) → the world's collective (:mod:`~mbs_ext.world`) → the finish
+(:mod:`~mbs_ext.step.finish`: one host sync, skip or step). Until the optimizer steps,
+everything is undone on any error (:mod:`~mbs_ext.step.rollback`). What differs between one
 process, DDP replicas and FSDP2 shards is the world's, called through its hooks; this
 module does not ask which world it runs in.
 """
@@ -31,17 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext import backoff, probe
-from mbs_ext import batch as _batch
-from mbs_ext import cached as _cached_loss
-from mbs_ext import loss as _loss
-from mbs_ext import model as _model
-from mbs_ext.attempt import Attempt, Call
-from mbs_ext.batchnorm import deferring
-from mbs_ext.cache import Binding, Plans, StepCache
-from mbs_ext.finish import StepResult
-from mbs_ext.options import StepOptions, make_options
-from mbs_ext.ring import StreamRing
+from mbs_ext.counts import cached as _cached_loss
+from mbs_ext.counts import loss as _loss
+from mbs_ext.memory import backoff, probe
+from mbs_ext.step import model as _model
+from mbs_ext.step.attempt import Attempt, Call
+from mbs_ext.step.batchnorm import deferring
+from mbs_ext.step.cache import Binding, Plans, StepCache
+from mbs_ext.step.finish import StepResult
+from mbs_ext.step.options import StepOptions, make_options
+from mbs_ext.streaming import batch as _batch
+from mbs_ext.streaming.ring import StreamRing
 
 __all__ = ["MicroBatchStreamer", "StepOptions", "StepResult", "accumulate", "step"]
 
