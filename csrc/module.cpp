@@ -1,4 +1,4 @@
-// The mbs_ext._C Python module: build facts, the op's argument scans and the StreamRing
+// The mbs_ext._C Python module: build facts, the op's checked entry point and the StreamRing
 // class. The op itself is registered with the dispatcher (TORCH_LIBRARY) in csrc/ops/.
 #include <torch/extension.h>
 
@@ -7,8 +7,8 @@
 #include "ring/bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "mbs_ext: the op's argument scans, the streaming ring and build facts";
+  m.doc() = "mbs_ext: the op's checked entry point, the streaming ring and build facts";
   mbs::bind_build_info(m);
-  mbs::bind_scale_accumulate_checks(m);
+  mbs::bind_scale_accumulate(m);
   mbs::bind_stream_ring(m);
 }

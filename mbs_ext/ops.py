@@ -1,10 +1,15 @@
 """Python face of the fused ``mbs_ext::scale_accumulate_`` op.
 
-Every argument is validated before the dispatcher sees it, and errors name the argument
-(``grads[3]``). The checks are C++ (csrc/ops/arguments.h), written once for the kernels
-and for the scan that ``_C`` runs for this module: with thousands of small tensors a
-Python loop would cost more than the op itself. Here the arguments are converted (lists,
-a number as scale, a missing found_inf) and the fault the scan reports is raised.
+Every argument is checked before anything is written, and errors name the argument
+(``grads[3]``). The checks are C++, written once (csrc/ops/arguments.{h,cpp}) for the
+kernels, for this module and for the fake kernel. An eager call crosses into C++ once:
+``_C._scale_accumulate`` checks the arguments and runs the kernel of their device, and
+returns a fault rather than raising it, so that a bad argument raises here, in Python,
+and never as a C++ exception. Python keeps what that crossing leaves to it: sequences
+other than lists and tuples, numbers other than finite floats and ints, 16-bit scale
+tensors, DTensors, and calls the dispatcher must see (torch.compile, fake tensors and
+other tensor subclasses, dispatch and torch-function modes, profilers), which go through
+the registered op; under torch.compile its fake kernel runs the checks that need no data.
 """
 
 from __future__ import annotations
@@ -15,19 +20,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from mbs_ext._native import _C  # also loads the op registrations
 
 _OP = torch.ops.mbs_ext.scale_accumulate_
-_FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
-_DEVICE_TYPES = ("cpu", "cuda")
 
 
 @torch.library.register_fake("mbs_ext::scale_accumulate_")
 def _scale_accumulate_fake(accumulators, grads, scale, found_inf) -> None:
-    # In-place op with no outputs: nothing to describe for fake tensors.
-    return None
+    # The kernels' checks but those that read memory (alignment, overlap): fake tensors
+    # have none. In-place op with no outputs: nothing else to describe.
+    _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False))
+
+
+def _raise(fault: tuple[str, str] | None) -> None:
+    """Raises a fault the C++ checks report as ``("type" | "value", message)``."""
+    if fault is not None:
+        kind, message = fault
+        raise (TypeError if kind == "type" else ValueError)(message)
 
 
 def _as_list(name: str, seq: object) -> list:
@@ -38,73 +48,12 @@ def _as_list(name: str, seq: object) -> list:
     return list(seq)
 
 
-def _check_tensor(name: str, i: int, t: object, device: torch.device | None, grad_mode: bool) -> torch.Tensor:
-    """One list element: a dense float tensor on `device` (when known) that autograd does not track."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name}[{i}] must be a dense (strided) tensor, got layout {t.layout}")
-    if t.dtype not in _FLOATS:
-        raise TypeError(f"{name}[{i}] must be float32, float64, bfloat16 or float16, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}[{i}] is on {t.device} but accumulators[0] is on {device}")
-    if grad_mode and t.requires_grad:
-        # The op is not differentiable and writes in place outside autograd.
-        raise ValueError(
-            f"{name}[{i}] requires grad; scale_accumulate_ is not differentiable: pass .grad tensors or "
-            "detached buffers, or call it under torch.no_grad()"
-        )
-    return t
-
-
-def _check_pair(i: int, acc: object, grad: object, device: torch.device, grad_mode: bool) -> None:
-    _check_tensor("accumulators", i, acc, device, grad_mode)
-    _check_tensor("grads", i, grad, device, grad_mode)
-    if acc.shape != grad.shape:
-        raise ValueError(f"accumulators[{i}] has shape {tuple(acc.shape)} but grads[{i}] has shape {tuple(grad.shape)}")
-    if not acc.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(acc.stride(), acc.shape)):
-        raise ValueError(
-            f"accumulators[{i}] has elements that share memory (an expanded tensor) and cannot be written in place"
-        )
-
-
-def _check_traced_pairs(accumulators: list, grads: list, grad_mode: bool) -> None:
-    """The pair checks while torch.compile traces, or on fake tensors: dynamo cannot trace
-    into the C++ scan (checked here, the checks become guards) and fake tensors have no
-    addresses (the overlap check is left to the kernels, which see real ones)."""
-    if len(accumulators) != len(grads):
-        raise ValueError(
-            f"accumulators and grads must have the same length, got {len(accumulators)} accumulators "
-            f"and {len(grads)} grads"
-        )
-    for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-        _check_pair(i, acc, grad, accumulators[0].device if i else None, grad_mode)
-
-
-def _raise(fault: tuple[str, str] | None) -> None:
-    """Raises a fault the C++ scan reports as ``("type" | "value", message)``.
-
-    The scan returns faults rather than raising them, so the error is raised here, in
-    Python, as the Python class the message names.
-    """
-    if fault is not None:
-        kind, message = fault
-        raise (TypeError if kind == "type" else ValueError)(message)
-
-
-def _as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32/float64 tensor on `device` or on the CPU (then read by value, no copy)."""
+def _as_scale(scale: float | torch.Tensor) -> torch.Tensor:
+    """A Python number as a float64 CPU scalar (read by value: no copy to a device); a 16-bit
+    float tensor as float32 on its own device (no host sync); other tensors as they are."""
     if isinstance(scale, torch.Tensor):
-        if scale.layout != torch.strided:
-            raise TypeError(f"scale must be a dense tensor, got layout {scale.layout}")
-        if scale.dim() != 0:
-            raise ValueError(f"scale must be a Python number or a 0-dim tensor, got shape {tuple(scale.shape)}")
-        if not scale.is_floating_point():
-            raise TypeError(f"scale must be a floating-point tensor, got {scale.dtype}")
-        if scale.device != device and scale.device.type != "cpu":
-            raise ValueError(f"scale is on {scale.device} but must be on {device} or be a CPU scalar")
-        if scale.dtype not in (torch.float32, torch.float64):
-            scale = scale.to(torch.float32)  # on its own device: no host sync
+        if scale.dtype in (torch.float16, torch.bfloat16):
+            scale = scale.to(torch.float32)
         return scale.detach()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a Python number or a 0-dim tensor, got {type(scale).__name__}")
@@ -114,25 +63,7 @@ def _as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
         raise ValueError("scale must be finite, got an int too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
-    # A CPU scalar: the CUDA kernel takes its value as a kernel argument, no copy.
     return torch.tensor(value, dtype=torch.float64)
-
-
-def _as_found_inf(found_inf: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if found_inf is None:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if not isinstance(found_inf, torch.Tensor):
-        raise TypeError(f"found_inf must be a 0-dim float32 tensor or None, got {type(found_inf).__name__}")
-    if found_inf.layout != torch.strided or found_inf.dim() != 0 or found_inf.dtype != torch.float32:
-        raise ValueError(
-            f"found_inf must be a dense 0-dim float32 tensor, got {found_inf.dtype} of shape "
-            f"{tuple(found_inf.shape)} ({found_inf.layout})"
-        )
-    if found_inf.device != device:
-        raise ValueError(f"found_inf is on {found_inf.device} but the tensors are on {device}")
-    if found_inf.requires_grad and torch.is_grad_enabled():
-        raise ValueError("found_inf requires grad; it is written in place: pass a plain float32 tensor")
-    return found_inf
 
 
 def is_dtensor(t: Any) -> bool:
@@ -150,6 +81,22 @@ def _refuse_dtensors(*groups: Any) -> None:
             raise TypeError(f"{name} holds DTensors (sharded, e.g. FSDP2 gradients), which scale_accumulate_ does "
                             "not take: pass their local shards ([t.to_local() for t in ...]), which it adds "
                             "shard by shard")
+
+
+def _dispatched(accumulators: Any, grads: Any, scale: Any, found_inf: torch.Tensor | None) -> torch.Tensor:
+    """The call through the registered op, for what the one crossing leaves to Python."""
+    accumulators = _as_list("accumulators", accumulators)
+    grads = _as_list("grads", grads)
+    _refuse_dtensors(accumulators, grads, found_inf)
+    scale = _as_scale(scale)
+    if found_inf is None:  # on the tensors' device: accumulators[0]'s, else scale's, else the CPU
+        first = accumulators[0] if accumulators else scale
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if not torch.compiler.is_compiling():  # traced, the fake kernel checks
+        _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False))
+    _OP(accumulators, grads, scale, found_inf)
+    return found_inf
 
 
 def scale_accumulate_(
@@ -173,32 +120,10 @@ def scale_accumulate_(
     not differentiable), expanded accumulators, and accumulators or a found_inf that
     share memory with another argument.
     """
-    accumulators = _as_list("accumulators", accumulators)
-    grads = _as_list("grads", grads)
-    _refuse_dtensors(accumulators, grads, found_inf)
-    grad_mode = torch.is_grad_enabled()
-    traced = torch.compiler.is_compiling() or any(
-        isinstance(t, FakeTensor) for t in (found_inf, *accumulators[:1], *grads[:1])
-    )
-    if traced:
-        _check_traced_pairs(accumulators, grads, grad_mode)
-    else:
-        _raise(_C._pair_fault(accumulators, grads, grad_mode))  # lengths, devices, every pair
-    if accumulators:
-        device = accumulators[0].device
-    else:  # no pairs: the flag's (or scale's) device, else the CPU
-        if isinstance(found_inf, torch.Tensor):
-            device = found_inf.device
-        elif isinstance(scale, torch.Tensor):
-            device = scale.device
-        else:
-            device = torch.device("cpu")
-    if device.type not in _DEVICE_TYPES:
-        raise ValueError(f"the tensors are on {device}; scale_accumulate_ runs on cpu and cuda tensors")
-    scale_t = _as_scale(scale, device)
-    found_inf = _as_found_inf(found_inf, device)
-    if accumulators:
-        if not traced:
-            _raise(_C._overlap_fault(accumulators, grads, scale_t, found_inf))
-        _OP(accumulators, grads, scale_t, found_inf)
-    return found_inf
+    if not torch.compiler.is_compiling():
+        out = _C._scale_accumulate(accumulators, grads, scale, found_inf, True)
+        if type(out) is tuple:
+            _raise(out)
+        if out is not None:
+            return out
+    return _dispatched(accumulators, grads, scale, found_inf)

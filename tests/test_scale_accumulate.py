@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import UserList
+from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -532,3 +535,102 @@ def test_long_list_with_non_contiguous_pairs_matches_torch_add():
     mbs_ext.scale_accumulate_(accs, grads, 0.25)
     for a, e in zip(accs, expected):
         torch.testing.assert_close(a.double(), e, rtol=1e-6, atol=1e-6)
+
+
+def test_fake_kernel_runs_the_checks():
+    """The fake kernel raises what the eager call raises (same C++ checks, no data needed),
+    without the kernels' prefix: a bad call under fake tensors never reaches a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.mbs_ext.scale_accumulate_
+    with FakeTensorMode():
+        accs, grads = [torch.zeros(2), torch.zeros(2)], [torch.zeros(2), torch.zeros(3)]
+        with pytest.raises(ValueError, match=r"^accumulators\[1\] has shape \[2\] but grads\[1\] has shape \[3\]$"):
+            op(accs, grads, torch.tensor(1.0), torch.zeros(()))
+        with pytest.raises(TypeError, match=r"^grads\[0\] must be float32"):
+            op([torch.zeros(2)], [torch.zeros(2, dtype=torch.int32)], torch.tensor(1.0), torch.zeros(()))
+        with pytest.raises(ValueError, match="found_inf must be a 0-dim float32 tensor"):
+            op([torch.zeros(2)], [torch.zeros(2)], torch.tensor(1.0), torch.zeros(2))
+        with pytest.raises(ValueError, match=r"accumulators\[0\] has elements that share memory"):
+            op([torch.zeros(1).expand(4)], [torch.zeros(4)], torch.tensor(1.0), torch.zeros(()))
+    with pytest.raises(ValueError, match=r"^accumulators\[1\] has shape \[2\] but grads\[1\] has shape \[3\]$"):
+        mbs_ext.scale_accumulate_([torch.zeros(2), torch.zeros(2)], [torch.zeros(2), torch.zeros(3)], 1.0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_bad_call_under_torch_compile_raises_the_eager_message(dynamic):
+    """Traced, the public call's checks run in the fake kernel (dynamo cannot trace into C++):
+    a shape mismatch fails the compilation with the message the eager call raises."""
+    def accumulate(accs, grads):
+        mbs_ext.scale_accumulate_(accs, grads, 2.0)
+        return accs[0] * 1
+
+    compiled = torch.compile(accumulate, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    assert torch.equal(compiled([torch.zeros(5)], [torch.ones(5)]), torch.full((5,), 2.0))
+    with pytest.raises(Exception, match=r"accumulators\[0\] has shape \[\w+\] but grads\[0\] has shape \[\w+\]"):
+        compiled([torch.zeros(7)], [torch.ones(6)])
+    with pytest.raises(Exception, match=r"accumulators\[0\] requires grad"):
+        compiled([torch.zeros(4, requires_grad=True)], [torch.ones(4)])
+
+
+def test_dispatch_modes_and_profilers_see_the_op():
+    """An eager call runs its kernel without the dispatcher; under a dispatch mode or a profiler
+    it goes through the registered op (so they see it), with the same checks and messages."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    acc = torch.zeros(3)
+    with Seen() as seen:
+        mbs_ext.scale_accumulate_([acc], [torch.ones(3)], 0.5)
+        with pytest.raises(ValueError, match=r"^accumulators\[0\] has shape \[3\] but grads\[0\] has shape \[4\]$"):
+            mbs_ext.scale_accumulate_([torch.zeros(3)], [torch.ones(4)], 0.5)
+    assert "mbs_ext.scale_accumulate_.default" in seen.ops
+    assert torch.equal(acc, torch.full((3,), 0.5))
+    with torch.profiler.profile() as prof:
+        mbs_ext.scale_accumulate_([acc], [torch.ones(3)], 0.5)
+    assert "mbs_ext::scale_accumulate_" in {e.name for e in prof.events()}
+    assert torch.equal(acc, torch.full((3,), 1.0))
+
+
+def test_tuples_numbers_and_16_bit_scales_take_every_path(device):
+    """What the one crossing leaves to Python (other sequences, other numbers, 16-bit scales)
+    adds what the fast path adds, into the given found_inf."""
+    acc = torch.zeros(4, device=device)
+    grad = torch.ones(4, device=device)
+    found_inf = torch.zeros((), device=device)
+    scales = [0.5, 1, Fraction(1, 2), torch.tensor(0.5, dtype=torch.bfloat16, device=device),
+              torch.tensor(0.5, dtype=torch.float64)]
+    for scale in scales:
+        for seqs in (([acc], [grad]), ((acc,), (grad,)), (UserList([acc]), UserList([grad]))):
+            assert mbs_ext.scale_accumulate_(*seqs, scale, found_inf) is found_inf
+    assert torch.equal(acc.cpu(), torch.full((4,), 3 * 3.0))
+    assert found_inf.item() == 0.0
+
+
+def test_the_checks_are_written_once():
+    """One check layer: every message of the op's argument checks is in csrc/ops/arguments.cpp
+    alone; the Python face keeps only what C++ does not see (sequences, numbers, DTensors),
+    and _C has one entry for the op (no scans beside it)."""
+    root = Path(__file__).resolve().parent.parent
+    sources = [*(root / "csrc").rglob("*.cpp"), *(root / "csrc").rglob("*.cu"), *(root / "csrc").rglob("*.h"),
+               *(root / "mbs_ext").rglob("*.py")]
+    messages = ["has shape", "must be a torch.Tensor", "is not differentiable", "may share memory;",
+                "has elements that share memory",
+                "same length", "must be float32, float64, bfloat16 or float16", "must be a dense",
+                "found_inf must be a 0-dim float32", "scale must be float32 or float64", "kernel was called with",
+                "runs on cpu and cuda tensors", "is not aligned"]
+    for message in messages:
+        holders = sorted(str(p.relative_to(root)) for p in sources if message in p.read_text())
+        assert holders == ["csrc/ops/arguments.cpp"], (message, holders)
+    native = mbs_ext.diagnostics.native
+    assert [name for name in dir(native) if "scale" in name or "fault" in name or "scan" in name] == [
+        "_scale_accumulate"
+    ]

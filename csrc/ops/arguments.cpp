@@ -4,6 +4,8 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 namespace mbs {
 namespace {
@@ -15,9 +17,16 @@ bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % t.element_size() == 0;
 }
 
+// An element that is no tensor: a Python object of another type, or (from C++) undefined.
+Fault missing_fault(const char* list, size_t i, const NotTensor& not_tensor) {
+  if (not_tensor.index == i) return type_fault(list, "[", i, "] must be a torch.Tensor, got ", not_tensor.type_name);
+  return value_fault(list, "[", i, "] is an undefined tensor");
+}
+
 // One list element; `list` is "accumulators" or "grads".
-MaybeFault tensor_fault(const at::Tensor& t, const char* list, size_t i, c10::Device device, bool grad_mode) {
-  if (!t.defined()) return value_fault(list, "[", i, "] is an undefined tensor");
+MaybeFault tensor_fault(const at::Tensor& t, const char* list, size_t i, const NotTensor& not_tensor,
+                        c10::Device device, const Sight& sight) {
+  if (!t.defined()) return missing_fault(list, i, not_tensor);
   if (t.layout() != at::kStrided) {
     return type_fault(list, "[", i, "] must be a dense (strided) tensor, got layout ", t.layout());
   }
@@ -25,23 +34,96 @@ MaybeFault tensor_fault(const at::Tensor& t, const char* list, size_t i, c10::De
     return type_fault(list, "[", i, "] must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
   }
   if (t.device() != device) return value_fault(list, "[", i, "] is on ", t.device(), " but accumulators[0] is on ", device);
-  if (grad_mode && t.requires_grad()) {
+  if (sight.grad_mode && t.requires_grad()) {
     // The op is not differentiable and writes in place outside autograd.
     return value_fault(list, "[", i, "] requires grad; scale_accumulate_ is not differentiable: pass .grad tensors ",
                        "or detached buffers, or call it under torch.no_grad()");
   }
-  if (!aligned(t)) return value_fault(list, "[", i, "] data is not aligned to its element size");
+  if (sight.data && !aligned(t)) return value_fault(list, "[", i, "] data is not aligned to its element size");
   return std::nullopt;
 }
 
-const char* list_name(int64_t list) {
-  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
-  return names[list];
+MaybeFault pair_fault(const Arguments& args, size_t i, c10::Device device, const Sight& sight) {
+  const at::Tensor& acc = args.accumulators[i];
+  const at::Tensor& grad = args.grads[i];
+  if (auto fault = tensor_fault(acc, "accumulators", i, args.accumulators_not_tensor, device, sight)) return fault;
+  if (auto fault = tensor_fault(grad, "grads", i, args.grads_not_tensor, device, sight)) return fault;
+  // sym_sizes: fake tensors may have symbolic shapes (the comparison becomes a guard).
+  if (acc.sym_sizes() != grad.sym_sizes()) {
+    return value_fault("accumulators[", i, "] has shape ", acc.sym_sizes(), " but grads[", i, "] has shape ",
+                       grad.sym_sizes());
+  }
+  if (at::has_internal_overlap(acc) == at::MemOverlap::Yes) {
+    return value_fault("accumulators[", i, "] has elements that share memory (an expanded tensor) and cannot be ",
+                       "written in place");
+  }
+  return std::nullopt;
 }
 
-std::string name_of(const Extent& e) {
-  return e.list <= Extent::kGrads ? c10::str(list_name(e.list), "[", e.index, "]") : list_name(e.list);
+MaybeFault found_inf_fault(const Arguments& args, const Sight& sight) {
+  if (args.found_inf_not_tensor != nullptr) {
+    return type_fault("found_inf must be a 0-dim float32 tensor or None, got ", args.found_inf_not_tensor);
+  }
+  if (args.found_inf == nullptr) return std::nullopt;
+  const at::Tensor& found_inf = *args.found_inf;
+  if (!found_inf.defined()) return value_fault("found_inf is an undefined tensor");
+  if (found_inf.layout() != at::kStrided) return type_fault("found_inf must be a dense tensor, got ", found_inf.layout());
+  if (found_inf.dim() != 0 || found_inf.scalar_type() != at::kFloat) {
+    return value_fault("found_inf must be a 0-dim float32 tensor, got ", found_inf.scalar_type(), " of shape ",
+                       found_inf.sym_sizes());
+  }
+  if (sight.grad_mode && found_inf.requires_grad()) {
+    return value_fault("found_inf requires grad; it is written in place: pass a plain float32 tensor");
+  }
+  return std::nullopt;
 }
+
+MaybeFault scale_fault(const Arguments& args) {
+  if (args.scale == nullptr) return std::nullopt;  // a number, checked by the Python face
+  const at::Tensor& scale = *args.scale;
+  if (!scale.defined()) return value_fault("scale is an undefined tensor");
+  if (scale.layout() != at::kStrided) return type_fault("scale must be a dense tensor, got ", scale.layout());
+  if (scale.dim() != 0) return value_fault("scale must be a 0-dim tensor, got shape ", scale.sym_sizes());
+  if (scale.scalar_type() != at::kFloat && scale.scalar_type() != at::kDouble) {
+    return type_fault("scale must be float32 or float64, got ", scale.scalar_type());
+  }
+  return std::nullopt;
+}
+
+// The tensors are on the kernel's device type, or on one the op runs on.
+MaybeFault device_fault(const Arguments& args, c10::Device device, const Sight& sight) {
+  if (sight.kernel) {
+    if (device.type() == *sight.kernel) return std::nullopt;
+    return value_fault("the ", c10::DeviceTypeName(*sight.kernel), " kernel was called with tensors on ", device,
+                       "; every tensor argument must be on one device (scale may also be a CPU scalar)");
+  }
+  if (device.is_cpu() || device.is_cuda()) return std::nullopt;
+  const char* owner = !args.accumulators.empty() ? "accumulators[0]"
+                      : args.found_inf != nullptr ? "found_inf"
+                      : args.scale != nullptr     ? "scale"
+                                                  : "the tensors";
+  return value_fault(owner, " is on ", device, "; scale_accumulate_ runs on cpu and cuda tensors");
+}
+
+MaybeFault placement_fault(const Arguments& args, c10::Device device) {
+  if (args.found_inf != nullptr && args.found_inf->device() != device) {
+    return value_fault("found_inf is on ", args.found_inf->device(), " but the tensors are on ", device);
+  }
+  if (args.scale != nullptr && args.scale->device() != device && !args.scale->device().is_cpu()) {
+    return value_fault("scale is on ", args.scale->device(), " but must be on ", device, " or be a CPU scalar");
+  }
+  return std::nullopt;
+}
+
+// The bytes a tensor can touch, [begin, end), with the argument that owns them.
+struct Extent {
+  enum List : int64_t { kAccumulators = 0, kGrads = 1, kFoundInf = 2, kScale = 3 };
+  uintptr_t begin;
+  uintptr_t end;
+  int64_t list;
+  int64_t index;  // position in the list (0 for found_inf and scale)
+  bool written() const { return list == kAccumulators || list == kFoundInf; }
+};
 
 Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   // Torch strides are never negative: the element farthest from data_ptr is at
@@ -53,10 +135,38 @@ Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
   return {begin, begin + bytes, list, index};
 }
 
-void raise(const MaybeFault& fault) {
-  if (!fault) return;
-  TORCH_CHECK_TYPE(fault->kind != Fault::Kind::Type, "scale_accumulate_: ", fault->message);
-  TORCH_CHECK_VALUE(false, "scale_accumulate_: ", fault->message);
+std::string name_of(const Extent& e) {
+  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
+  return e.list <= Extent::kGrads ? c10::str(names[e.list], "[", e.index, "]") : names[e.list];
+}
+
+// No written tensor (an accumulator, found_inf) may share memory with another argument: the
+// kernels update all pairs in parallel, so an overlap is a data race. Address ranges are
+// compared, so interleaved views of one buffer are refused too. Empty pairs own no bytes; a
+// CPU scale beside device tensors is read by value. A sorted sweep: any overlap involving a
+// written extent shows up against the extent with the largest end seen so far.
+MaybeFault overlap_fault(const Arguments& args, c10::Device device) {
+  std::vector<Extent> extents;
+  extents.reserve(2 * args.accumulators.size() + 2);
+  for (size_t i = 0; i < args.accumulators.size(); ++i) {
+    if (args.accumulators[i].numel() == 0) continue;
+    extents.push_back(extent_of(args.accumulators[i], Extent::kAccumulators, static_cast<int64_t>(i)));
+    extents.push_back(extent_of(args.grads[i], Extent::kGrads, static_cast<int64_t>(i)));
+  }
+  if (args.found_inf != nullptr) extents.push_back(extent_of(*args.found_inf, Extent::kFoundInf, 0));
+  if (args.scale != nullptr && args.scale->device() == device) {
+    extents.push_back(extent_of(*args.scale, Extent::kScale, 0));
+  }
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  const Extent* reach = nullptr;  // the extent seen so far that ends last
+  for (const Extent& e : extents) {
+    if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
+      return value_fault(name_of(*reach), " and ", name_of(e),
+                         " may share memory; accumulators and found_inf must not overlap any other argument");
+    }
+    if (reach == nullptr || e.end > reach->end) reach = &e;
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -72,111 +182,42 @@ std::optional<accumulate::DType> float_dtype(at::ScalarType t) {
   }
 }
 
-MaybeFault lengths_fault(size_t accumulators, size_t grads) {
-  if (accumulators == grads) return std::nullopt;
-  return value_fault("accumulators and grads must have the same length, got ", accumulators, " accumulators and ",
-                     grads, " grads");
+c10::Device device_of(const Arguments& args) {
+  if (!args.accumulators.empty() && args.accumulators[0].defined()) return args.accumulators[0].device();
+  if (args.found_inf != nullptr && args.found_inf->defined()) return args.found_inf->device();
+  if (args.scale != nullptr && args.scale->defined()) return args.scale->device();
+  return c10::Device(c10::kCPU);
 }
 
-MaybeFault device_fault(c10::Device device, const char* owner) {
-  if (device.is_cpu() || device.is_cuda()) return std::nullopt;
-  return value_fault(owner, " is on ", device, "; scale_accumulate_ runs on cpu and cuda tensors");
-}
-
-MaybeFault pair_fault(const at::Tensor& acc, const at::Tensor& grad, size_t i, c10::Device device, bool grad_mode) {
-  if (auto fault = tensor_fault(acc, "accumulators", i, device, grad_mode)) return fault;
-  if (auto fault = tensor_fault(grad, "grads", i, device, grad_mode)) return fault;
-  if (acc.sizes() != grad.sizes()) {
-    return value_fault("accumulators[", i, "] has shape ", acc.sizes(), " but grads[", i, "] has shape ", grad.sizes());
+MaybeFault first_fault(const Arguments& args, const Sight& sight) {
+  const size_t n = args.accumulators.size();
+  if (n != args.grads.size()) {  // before any element is indexed
+    return value_fault("accumulators and grads must have the same length, got ", n, " accumulators and ",
+                       args.grads.size(), " grads");
   }
-  if (at::has_internal_overlap(acc) == at::MemOverlap::Yes) {
-    return value_fault("accumulators[", i, "] has elements that share memory (an expanded tensor) and cannot be ",
-                       "written in place");
+  if (auto fault = found_inf_fault(args, sight)) return fault;
+  if (auto fault = scale_fault(args)) return fault;
+  if (n > 0 && !args.accumulators[0].defined()) return missing_fault("accumulators", 0, args.accumulators_not_tensor);
+  const c10::Device device = device_of(args);
+  if (auto fault = device_fault(args, device, sight)) return fault;
+  for (size_t i = 0; i < n; ++i) {
+    if (auto fault = pair_fault(args, i, device, sight)) return fault;
   }
-  return std::nullopt;
-}
-
-MaybeFault found_inf_fault(const at::Tensor& found_inf) {
-  if (!found_inf.defined()) return value_fault("found_inf is an undefined tensor");
-  if (found_inf.layout() != at::kStrided) return type_fault("found_inf must be a dense tensor, got ", found_inf.layout());
-  if (found_inf.dim() != 0 || found_inf.scalar_type() != at::kFloat) {
-    return value_fault("found_inf must be a 0-dim float32 tensor, got ", found_inf.scalar_type(), " of shape ",
-                       found_inf.sizes());
-  }
-  return std::nullopt;
-}
-
-MaybeFault scale_fault(const at::Tensor& scale) {
-  if (!scale.defined()) return value_fault("scale is an undefined tensor");
-  if (scale.layout() != at::kStrided) return type_fault("scale must be a dense tensor, got ", scale.layout());
-  if (scale.dim() != 0) return value_fault("scale must be a 0-dim tensor, got shape ", scale.sizes());
-  if (scale.scalar_type() != at::kFloat && scale.scalar_type() != at::kDouble) {
-    return type_fault("scale must be float32 or float64, got ", scale.scalar_type());
-  }
-  return std::nullopt;
-}
-
-MaybeFault placement_fault(const at::Tensor& scale, const at::Tensor& found_inf, c10::Device device) {
-  if (found_inf.device() != device) {
-    return value_fault("found_inf is on ", found_inf.device(), " but the tensors are on ", device);
-  }
-  if (scale.device() != device && !scale.device().is_cpu()) {
-    return value_fault("scale is on ", scale.device(), " but must be on ", device, " or be a CPU scalar");
-  }
-  return std::nullopt;
-}
-
-void Extents::add_pair(const at::Tensor& acc, const at::Tensor& grad, size_t i) {
-  if (acc.numel() == 0) return;
-  extents_.push_back(extent_of(acc, Extent::kAccumulators, static_cast<int64_t>(i)));
-  extents_.push_back(extent_of(grad, Extent::kGrads, static_cast<int64_t>(i)));
-}
-
-void Extents::add_scalars(const at::Tensor& scale, const at::Tensor& found_inf) {
-  extents_.push_back(extent_of(found_inf, Extent::kFoundInf, 0));
-  if (scale.device() == found_inf.device()) extents_.push_back(extent_of(scale, Extent::kScale, 0));
-}
-
-// Sorted sweep: any overlap involving a written extent shows up against the extent
-// with the largest end seen so far.
-std::optional<std::pair<Extent, Extent>> Extents::first_overlap() {
-  std::sort(extents_.begin(), extents_.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
-  const Extent* reach = nullptr;  // the extent seen so far that ends last
-  for (const Extent& e : extents_) {
-    if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
-      return std::make_pair(*reach, e);
-    }
-    if (reach == nullptr || e.end > reach->end) reach = &e;
-  }
-  return std::nullopt;
-}
-
-Fault Extents::fault(const std::pair<Extent, Extent>& overlap) {
-  return value_fault(name_of(overlap.first), " and ", name_of(overlap.second),
-                     " may share memory; accumulators and found_inf must not overlap any other argument");
+  if (auto fault = placement_fault(args, device)) return fault;
+  return sight.data ? overlap_fault(args, device) : std::nullopt;
 }
 
 c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                                         const at::Tensor& scale, const at::Tensor& found_inf,
                                         c10::DeviceType kernel_device) {
-  raise(lengths_fault(accumulators.size(), grads.size()));  // before any element is indexed
-  raise(found_inf_fault(found_inf));
-  raise(scale_fault(scale));
-  if (!accumulators.empty() && !accumulators[0].defined()) {
-    raise(pair_fault(accumulators[0], grads[0], 0, found_inf.device(), false));
-  }
-  const c10::Device device = accumulators.empty() ? found_inf.device() : accumulators[0].device();
-  TORCH_CHECK_VALUE(device.type() == kernel_device, "scale_accumulate_: the ", c10::DeviceTypeName(kernel_device),
-                    " kernel was called with tensors on ", device,
-                    "; every tensor argument must be on one device (scale may also be a CPU scalar)");
+  const Arguments args{accumulators, grads, &scale, &found_inf};
   // Below the autograd layer: whether a tensor requires grad is not the kernel's concern.
-  for (size_t i = 0; i < accumulators.size(); ++i) raise(pair_fault(accumulators[i], grads[i], i, device, false));
-  raise(placement_fault(scale, found_inf, device));
-  Extents extents(accumulators.size());
-  for (size_t i = 0; i < accumulators.size(); ++i) extents.add_pair(accumulators[i], grads[i], i);
-  extents.add_scalars(scale, found_inf);
-  if (const auto overlap = extents.first_overlap()) raise(Extents::fault(*overlap));
-  return device;
+  const Sight sight{/*grad_mode=*/false, /*data=*/true, kernel_device};
+  if (const MaybeFault fault = first_fault(args, sight)) {
+    TORCH_CHECK_TYPE(fault->kind != Fault::Kind::Type, "scale_accumulate_: ", fault->message);
+    TORCH_CHECK_VALUE(false, "scale_accumulate_: ", fault->message);
+  }
+  return device_of(args);
 }
 
 }  // namespace mbs

@@ -1,110 +1,179 @@
-// The op's argument checks (ops/arguments.h) over Python lists, for mbs_ext/ops.py.
+// mbs_ext._C._scale_accumulate: the Python face's one crossing into C++ per call.
 //
-// With thousands of small tensors a per-element loop in Python costs more than the
-// fused op it guards (about 1 us per pair), so the scan runs here. It never raises for
-// bad arguments: it returns the fault, and ops.py raises it (see there for why).
-// Borrowed references only: no tensor is copied or counted.
+// It reads the Python arguments without copying a tensor (lists or tuples of tensors, a
+// number or tensor scale, found_inf or None), checks them with the op's one check layer
+// (ops/arguments.h), and for a plain eager call runs the kernel of the tensors' device
+// (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
+// fault, and mbs_ext/ops.py raises it. What it leaves to Python it says by returning None.
 #include "ops/bindings.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstdint>
-#include <utility>
+#include <cmath>
+#include <optional>
+#include <vector>
 
 #include "ops/arguments.h"
+#include "ops/kernels.h"
 
 namespace mbs {
 namespace {
 
 namespace py = pybind11;
 
+// Tensors whose data a kernel cannot take as it is: subclasses with __torch_dispatch__ (fake
+// tensors, DTensors), functionalized, batched (vmap) and lazily negated or conjugated ones.
+constexpr c10::DispatchKeySet kNotPlain({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                         c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                         c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::BatchedNestedTensor,
+                                         c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
+                                         c10::DispatchKey::ZeroTensor});
+
+// What the scan of the Python arguments found out about their tensors.
+struct Seen {
+  bool plain = true;  // no tensor in kNotPlain: a kernel may run on them directly
+  bool data = true;   // every tensor has memory of its own on the cpu or a cuda device
+
+  void add(const at::Tensor& t) {
+    plain = plain && !t.key_set().has_any(kNotPlain);
+    data = data && !t.key_set().has_any(kNotPlain) && (t.is_cpu() || t.is_cuda());
+  }
+};
+
 const at::Tensor* as_tensor(PyObject* obj) { return THPVariable_Check(obj) ? &THPVariable_Unpack(obj) : nullptr; }
 
-// Element i of `list` (named `name`), or the fault that it is no tensor.
-std::pair<const at::Tensor*, MaybeFault> element(const py::list& list, const char* name, int64_t i) {
-  PyObject* obj = PyList_GET_ITEM(list.ptr(), i);
-  if (const at::Tensor* t = as_tensor(obj)) return {t, std::nullopt};
-  return {nullptr, Fault{Fault::Kind::Type, c10::str(name, "[", i, "] must be a torch.Tensor, got ", Py_TYPE(obj)->tp_name)}};
-}
-
-// The first refused pair at or after `start` and its fault; (-1, none) when every pair
-// passes. Lengths and accumulators[0]'s device count as pair 0's.
-std::pair<int64_t, MaybeFault> first_pair_fault(const py::list& accumulators, const py::list& grads, bool grad_mode,
-                                                int64_t start) {
-  const auto n = static_cast<int64_t>(PyList_GET_SIZE(accumulators.ptr()));
-  if (auto fault = lengths_fault(static_cast<size_t>(n), PyList_GET_SIZE(grads.ptr()))) return {0, fault};
-  if (n == 0) return {-1, std::nullopt};
-  const auto [first, not_tensor] = element(accumulators, "accumulators", 0);
-  if (not_tensor) return {0, not_tensor};
-  const c10::Device device = first->device();
-  if (auto fault = device_fault(device, "accumulators[0]")) return {0, fault};
-  for (int64_t i = start; i < n; ++i) {
-    auto [acc, acc_fault] = element(accumulators, "accumulators", i);
-    if (acc_fault) return {i, acc_fault};
-    auto [grad, grad_fault] = element(grads, "grads", i);
-    if (grad_fault) return {i, grad_fault};
-    if (auto fault = pair_fault(*acc, *grad, static_cast<size_t>(i), device, grad_mode)) return {i, fault};
-  }
-  return {-1, std::nullopt};
-}
-
-// The first two arguments that share memory (see Extents), for pairs that passed.
-std::optional<std::pair<Extent, Extent>> first_overlap(const py::list& accumulators, const py::list& grads,
-                                                       const at::Tensor& scale, const at::Tensor& found_inf) {
-  const auto n = static_cast<size_t>(PyList_GET_SIZE(accumulators.ptr()));
-  Extents extents(n);
-  for (size_t i = 0; i < n && i < static_cast<size_t>(PyList_GET_SIZE(grads.ptr())); ++i) {
-    const at::Tensor* acc = as_tensor(PyList_GET_ITEM(accumulators.ptr(), i));
-    const at::Tensor* grad = as_tensor(PyList_GET_ITEM(grads.ptr(), i));
-    if (acc != nullptr && grad != nullptr && acc->defined() && grad->defined()) extents.add_pair(*acc, *grad, i);
-  }
-  extents.add_scalars(scale, found_inf);
-  return extents.first_overlap();
-}
-
-py::object as_python(const MaybeFault& fault) {
-  if (!fault) return py::none();
-  return py::make_tuple(fault->kind == Fault::Kind::Type ? "type" : "value", fault->message);
-}
-
-// The older form of the two scans in one call: (first refused pair from `start` on, [])
-// or (-1, [list, index, list, index] of the first overlap, or []); lists: 0
-// accumulators, 1 grads, 2 found_inf, 3 scale.
-py::tuple scan_arguments(const py::list& accumulators, const py::list& grads, const at::Tensor& scale,
-                         const at::Tensor& found_inf, bool grad_mode, int64_t start) {
-  const int64_t suspect = first_pair_fault(accumulators, grads, grad_mode, start).first;
-  py::list hit;
-  if (suspect >= 0) return py::make_tuple(suspect, hit);
-  if (const auto overlap = first_overlap(accumulators, grads, scale, found_inf)) {
-    for (const Extent* e : {&overlap->first, &overlap->second}) {
-      hit.append(e->list);
-      hit.append(e->index);
+// The elements of a list or tuple as tensors that borrow (copying an at::Tensor of a Python
+// tensor costs a reference to its Python object, under the GIL), kept alive by a tuple of the
+// items: the list may change while the kernel runs without the GIL. A non-tensor becomes an
+// undefined tensor, the first one named.
+class BorrowedTensors {
+ public:
+  BorrowedTensors(PyObject* seq, NotTensor& not_tensor, Seen& seen)
+      : items_(py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq))) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(items_.ptr());
+    tensors_.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(items_.ptr(), i);
+      if (const at::Tensor* t = as_tensor(item)) {
+        seen.add(*t);
+        tensors_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(*t));
+      } else {
+        if (not_tensor.type_name == nullptr) not_tensor = {static_cast<size_t>(i), Py_TYPE(item)->tp_name};
+        tensors_.emplace_back();
+      }
     }
   }
-  return py::make_tuple(-1, hit);
+  ~BorrowedTensors() {
+    for (at::Tensor& t : tensors_) {
+      if (t.defined()) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
+    }
+  }
+  BorrowedTensors(const BorrowedTensors&) = delete;
+  BorrowedTensors& operator=(const BorrowedTensors&) = delete;
+
+  at::TensorList list() const { return tensors_; }
+
+ private:
+  py::tuple items_;
+  std::vector<at::Tensor> tensors_;
+};
+
+// A finite float or int (not a bool) as a double; nullopt for anything else.
+std::optional<double> finite_number(PyObject* obj) {
+  double value = 0.0;
+  if (PyFloat_Check(obj)) {
+    value = PyFloat_AS_DOUBLE(obj);
+  } else if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+    value = PyLong_AsDouble(obj);
+    if (value == -1.0 && PyErr_Occurred()) {  // too large for a float: ops.py says so
+      PyErr_Clear();
+      return std::nullopt;
+    }
+  } else {
+    return std::nullopt;
+  }
+  return std::isfinite(value) ? std::optional<double>(value) : std::nullopt;
+}
+
+// Whether anything besides the kernel would take part in a dispatched call: dispatch or
+// torch-function modes, functorch or functionalization layers, profilers (record functions).
+bool dispatcher_needed() {
+  return c10::impl::tls_local_dispatch_key_set().included_ != c10::default_included_set ||
+         c10::impl::TorchDispatchModeTLS::any_modes_set() || at::impl::torch_function_mode_enabled() ||
+         at::hasCallbacks();
+}
+
+py::object as_python(const Fault& fault) {
+  return py::make_tuple(fault.kind == Fault::Kind::Type ? "type" : "value", fault.message);
+}
+
+// run=true: the public call. Returns found_inf (given or created) after running the kernel,
+// a fault, or None where Python has a share: sequences other than lists and tuples, scales
+// other than a finite float/int or a float32/float64 tensor, tensors that are not plain, and
+// calls the dispatcher must see. run=false: the checks alone (for calls Python dispatches, and
+// for the fake kernel): a fault or None. Requires grad counts where grad mode is on.
+py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handle scale, py::handle found_inf,
+                            bool run) {
+  const bool sequences = (PyList_Check(accumulators.ptr()) || PyTuple_Check(accumulators.ptr())) &&
+                         (PyList_Check(grads.ptr()) || PyTuple_Check(grads.ptr()));
+  if (!sequences || (run && dispatcher_needed())) return py::none();
+  Seen seen;
+  Arguments args;
+  const BorrowedTensors accs(accumulators.ptr(), args.accumulators_not_tensor, seen);
+  const BorrowedTensors grad_list(grads.ptr(), args.grads_not_tensor, seen);
+  args.accumulators = accs.list();
+  args.grads = grad_list.list();
+
+  Scale scale_arg{as_tensor(scale.ptr()), 0.0};
+  if (scale_arg.tensor != nullptr) {
+    seen.add(*scale_arg.tensor);
+    const at::ScalarType dtype = scale_arg.tensor->scalar_type();
+    if (run && (dtype == at::kHalf || dtype == at::kBFloat16)) return py::none();  // ops.py converts it
+    args.scale = scale_arg.tensor;
+  } else if (const std::optional<double> value = finite_number(scale.ptr())) {
+    scale_arg.value = *value;
+  } else {
+    return py::none();  // other numbers and types: ops.py converts or refuses them
+  }
+  if (const at::Tensor* t = as_tensor(found_inf.ptr())) {  // alive: an argument of this call
+    seen.add(*t);
+    args.found_inf = t;
+  } else if (!found_inf.is_none()) {
+    args.found_inf_not_tensor = Py_TYPE(found_inf.ptr())->tp_name;
+  }
+  if (run && !seen.plain) return py::none();  // DTensors are refused by ops.py before any check
+
+  const Sight sight{at::GradMode::is_enabled(), seen.data, std::nullopt};
+  if (const MaybeFault fault = first_fault(args, sight)) return as_python(*fault);
+  if (!run) return py::none();
+  const c10::Device device = device_of(args);
+  const Kernel kernel = kernel_for(device.type());
+  if (kernel == nullptr || !seen.data) return py::none();  // the dispatcher says what is missing
+  if (args.found_inf != nullptr) {
+    const py::gil_scoped_release no_gil;  // the tuples above keep the lists' tensors alive
+    kernel(args.accumulators, args.grads, scale_arg, *args.found_inf, device);
+    return py::reinterpret_borrow<py::object>(found_inf);
+  }
+  at::Tensor flag = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  {
+    const py::gil_scoped_release no_gil;
+    kernel(args.accumulators, args.grads, scale_arg, flag, device);
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(flag)));
 }
 
 }  // namespace
 
-void bind_scale_accumulate_checks(py::module_& m) {
-  m.def(
-      "_pair_fault",
-      [](const py::list& accumulators, const py::list& grads, bool grad_mode) {
-        return as_python(first_pair_fault(accumulators, grads, grad_mode, 0).second);
-      },
-      py::arg("accumulators"), py::arg("grads"), py::arg("grad_mode"),
-      "None, or (\"type\"|\"value\", message) for the first refused pair (lengths and devices included)");
-  m.def(
-      "_overlap_fault",
-      [](const py::list& accumulators, const py::list& grads, const at::Tensor& scale, const at::Tensor& found_inf) {
-        const auto overlap = first_overlap(accumulators, grads, scale, found_inf);
-        return as_python(overlap ? MaybeFault(Extents::fault(*overlap)) : std::nullopt);
-      },
-      py::arg("accumulators"), py::arg("grads"), py::arg("scale"), py::arg("found_inf"),
-      "None, or (\"value\", message) naming the first two arguments that share memory");
-  m.def("_scan_arguments", &scan_arguments, py::arg("accumulators"), py::arg("grads"), py::arg("scale"),
-        py::arg("found_inf"), py::arg("grad_mode"), py::arg("start"),
-        "(first suspect pair from `start` on, []) or (-1, the first two arguments that share memory or [])");
+void bind_scale_accumulate(py::module_& m) {
+  m.def("_scale_accumulate", &scale_accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("scale"),
+        py::arg("found_inf"), py::arg("run"),
+        "run=True: checks and runs a plain eager call and returns found_inf; else returns a fault "
+        "(\"type\"|\"value\", message), or None where mbs_ext/ops.py has a share. run=False: the checks "
+        "alone, a fault or None.");
 }
 
 }  // namespace mbs

@@ -1,8 +1,8 @@
-// Python bindings of the op's argument checks, added to mbs_ext._C.
+// mbs_ext._C._scale_accumulate, the Python face's entry into the op (bindings.cpp).
 #pragma once
 
 #include <torch/extension.h>
 
 namespace mbs {
-void bind_scale_accumulate_checks(pybind11::module_& m);
+void bind_scale_accumulate(pybind11::module_& m);
 }  // namespace mbs

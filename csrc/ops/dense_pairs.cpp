@@ -15,29 +15,36 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+const at::Tensor* DensePairs::keep(at::Tensor copy) {
+  copies_.push_back(std::move(copy));
+  return &copies_.back();
+}
+
 DensePairs::DensePairs(at::TensorList accumulators, at::TensorList grads) {
   acc_.reserve(accumulators.size());
   grad_.reserve(grads.size());
   for (size_t i = 0; i < accumulators.size(); ++i) {
-    if (accumulators[i].numel() == 0) continue;
-    at::Tensor acc = accumulators[i];
-    if (!acc.is_contiguous() && acc.is_non_overlapping_and_dense() && same_layout(acc, grads[i])) {
-      acc_.push_back(acc);
-      grad_.push_back(grads[i]);
+    const at::Tensor& acc = accumulators[i];
+    const at::Tensor& grad = grads[i];
+    if (acc.numel() == 0) continue;
+    if (!acc.is_contiguous() && acc.is_non_overlapping_and_dense() && same_layout(acc, grad)) {
+      acc_.push_back(&acc);  // one dense layout on both sides
+      grad_.push_back(&grad);
       continue;
     }
-    if (!acc.is_contiguous()) {
-      at::Tensor dense = acc.contiguous();
-      pending_.emplace_back(acc, dense);
-      acc = std::move(dense);
+    if (acc.is_contiguous()) {
+      acc_.push_back(&acc);
+    } else {
+      const at::Tensor* dense = keep(acc.contiguous());
+      pending_.emplace_back(&acc, dense);
+      acc_.push_back(dense);
     }
-    acc_.push_back(std::move(acc));
-    grad_.push_back(grads[i].contiguous());
+    grad_.push_back(grad.is_contiguous() ? &grad : keep(grad.contiguous()));
   }
 }
 
 void DensePairs::write_back() {
-  for (auto& [target, dense] : pending_) target.copy_(dense);
+  for (const auto& [target, dense] : pending_) target->copy_(*dense);
   pending_.clear();
 }
 

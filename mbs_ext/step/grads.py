@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext.ops import _OP, _as_scale, scale_accumulate_
+from mbs_ext.ops import scale_accumulate_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Each parameter's view into a flat buffer starts on this boundary. Gradients are
@@ -57,7 +57,6 @@ class GradBuffers:
         self.flats: list[torch.Tensor] = []
         self.found_inf: list[torch.Tensor] = []  # one 0-dim float32 flag per device
         self.got = [False] * len(params)
-        self.checked: set[tuple[int, ...]] = set()
         self.sum_nonfinite: torch.Tensor | None = None  # set by finish(): inf/NaN in the final sums
         groups: dict[torch.device, list[int]] = {}
         for j, p in enumerate(params):
@@ -84,15 +83,7 @@ class GradBuffers:
             # other: the buffers, and so the .grad cast from them, are dense.
             accs = [self.views[j] for j in have]
             grads = [g.to_dense() if g.is_sparse else g for g in (params[j].grad for j in have)]
-            key = tuple(have)
-            if key in self.checked:
-                # Same parameters as a call that passed the op's full argument check:
-                # their grads have the same dtypes, shapes and device, so skip re-checking
-                # each pair on every micro-batch (the C++ checks still run).
-                _OP(accs, grads, _as_scale(s, flag.device), flag)
-            else:
-                scale_accumulate_(accs, grads, s, flag)
-                self.checked.add(key)
+            scale_accumulate_(accs, grads, s, flag)  # one crossing into C++: checks and kernel
             for j in have:
                 self.got[j] = True
                 params[j].grad = None

@@ -9,20 +9,27 @@
 #include "accumulate/accumulate.h"
 #include "ops/arguments.h"
 #include "ops/dense_pairs.h"
+#include "ops/kernels.h"
 
 namespace mbs {
 namespace {
 
-// Elements per task: large enough to amortize scheduling, small enough that a
-// few hundred small tensors still spread over all threads.
-constexpr int64_t kGrain = 1 << 15;
+// Elements per thread at least: 2^18 (3 MB of float32 traffic, ~100 us) amortizes waking
+// the thread pool, which costs microseconds on an idle machine and milliseconds where the
+// cores are shared; smaller calls (a ResNet's list of small tensors) run on the caller's
+// thread, as torch._foreach_add_ does with small tensors.
+constexpr int64_t kGrain = 1 << 18;
 
-void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
-                          const at::Tensor& found_inf) {
-  // Every check runs before the first element is read or written.
-  check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CPU);
+double read_scale(const Scale& scale) {
+  if (scale.tensor == nullptr) return scale.value;
+  const at::Tensor& t = *scale.tensor;  // a CPU tensor here: no device sync
+  return t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>() : *t.const_data_ptr<float>();
+}
+
+void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& scale, const at::Tensor& found_inf,
+             c10::Device /*device*/) {
   if (accumulators.empty()) return;
-  const double s = scale.item<double>();  // a CPU tensor here: no device sync
+  const double s = read_scale(scale);
 
   DensePairs dense(accumulators, grads);
   std::vector<accumulate::Pair> pairs;
@@ -41,6 +48,15 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
   dense.write_back();
   if (bad.load()) found_inf.fill_(1.0);
 }
+
+void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
+                          const at::Tensor& found_inf) {
+  // Every check runs before the first element is read or written.
+  const c10::Device device = check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CPU);
+  run_cpu(accumulators, grads, Scale{&scale, 0.0}, found_inf, device);
+}
+
+[[maybe_unused]] const bool registered = register_kernel(c10::DeviceType::CPU, &run_cpu);
 
 }  // namespace
 }  // namespace mbs

@@ -19,6 +19,7 @@
 #include "ops/arguments.h"
 #include "ops/cuda/multi_tensor.cuh"
 #include "ops/dense_pairs.h"
+#include "ops/kernels.h"
 
 namespace mbs::accumulate {
 
@@ -82,22 +83,21 @@ void launch_group(const DensePairs& dense, const std::vector<size_t>& members, c
   cuda::multi_tensor_apply<PairListMeta>(addresses, numels, {int64_t{sizeof(DA)}, int64_t{sizeof(DG)}}, op, stream);
 }
 
-void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
-                           const at::Tensor& found_inf) {
-  // All checks (including that every tensor is a CUDA tensor on one device) run
-  // before any pointer is taken.
-  const c10::Device device =
-      check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CUDA);
+void run_cuda(at::TensorList accumulators, at::TensorList grads, const Scale& scale, const at::Tensor& found_inf,
+              c10::Device device) {
   if (accumulators.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
-  ScaleArg scale_arg{nullptr, 0.0, false};
-  if (scale.is_cpu()) {
-    scale_arg.value = scale.item<double>();  // host memory: no device sync
-  } else {
-    scale_arg.ptr = scale.const_data_ptr();
-    scale_arg.is_double = scale.scalar_type() == at::kDouble;
+  ScaleArg scale_arg{nullptr, scale.value, false};
+  if (scale.tensor != nullptr) {
+    const at::Tensor& t = *scale.tensor;
+    if (t.is_cpu()) {  // host memory: no device sync
+      scale_arg.value = t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>() : *t.const_data_ptr<float>();
+    } else {
+      scale_arg.ptr = t.const_data_ptr();
+      scale_arg.is_double = t.scalar_type() == at::kDouble;
+    }
   }
   float* found_inf_ptr = found_inf.data_ptr<float>();
 
@@ -122,6 +122,17 @@ void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, co
   }
   dense.write_back();
 }
+
+void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
+                           const at::Tensor& found_inf) {
+  // All checks (including that every tensor is a CUDA tensor on one device) run
+  // before any pointer is taken.
+  const c10::Device device =
+      check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CUDA);
+  run_cuda(accumulators, grads, Scale{&scale, 0.0}, found_inf, device);
+}
+
+[[maybe_unused]] const bool registered = register_kernel(c10::DeviceType::CUDA, &run_cuda);
 
 }  // namespace
 }  // namespace mbs

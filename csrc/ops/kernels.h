@@ -1,0 +1,25 @@
+// The op's kernels behind their checks, by device type. Each kernel file registers its own
+// beside its TORCH_LIBRARY_IMPL (which checks the arguments, then runs it); the Python face
+// runs one directly for an eager call it has checked (ops/bindings.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace mbs {
+
+// A 0-dim float32/float64 tensor on the tensors' device or the CPU, or (tensor null) a value.
+struct Scale {
+  const at::Tensor* tensor;
+  double value;
+};
+
+// Arguments that passed check_scale_accumulate_args (ops/arguments.h); `device` is the tensors'.
+using Kernel = void (*)(at::TensorList accumulators, at::TensorList grads, const Scale& scale,
+                        const at::Tensor& found_inf, c10::Device device);
+
+// Called once per device type, at static initialization; returns true for use as an initializer.
+bool register_kernel(c10::DeviceType type, Kernel kernel);
+// nullptr when this build has no kernel for `type`.
+Kernel kernel_for(c10::DeviceType type);
+
+}  // namespace mbs
