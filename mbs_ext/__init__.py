@@ -20,6 +20,7 @@ from mbs_ext.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ring import StreamRing
 from mbs_ext.step import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streamable import check_streamable
+from mbs_ext.tokens import TokenPlan, plan_tokens
 from mbs_ext.world import PeerFailed
 
 
@@ -43,6 +44,7 @@ __all__ = [
     "StepOptions",
     "StepResult",
     "StreamRing",
+    "TokenPlan",
     "__version__",
     "accumulate",
     "build_info",
@@ -50,6 +52,7 @@ __all__ = [
     "convert_batchnorm",
     "forward",
     "plan_micro_batch",
+    "plan_tokens",
     "scale_accumulate_",
     "step",
 ]
