@@ -60,16 +60,16 @@ def plan_tokens(lengths: torch.Tensor, micro_batch_tokens: int, micro_batch_size
     """Group rows of ``lengths`` real tokens into micro-batches of at most ``micro_batch_tokens``
     tokens counting padding (and at most ``micro_batch_size`` rows).
 
-    Rows are sorted longest first and packed greedily: a micro-batch is as wide as its first
-    row and takes the next rows while rows x width fits. On rows sorted by length this gives
-    the fewest micro-batches any grouping of consecutive sorted rows can (each is as long as
-    the budget allows), and the padding left is only the difference between neighbours in
-    length. The longest micro-batch comes first, so the step's peak memory shows at once.
-    ``rows`` names the rows (default: ``0..N-1``), e.g. a step's ``indices``.
+    Rows are sorted longest first; a micro-batch takes consecutive sorted rows and is as wide
+    as its first. Where to cut is chosen to stream the fewest token positions, each
+    micro-batch charged :data:`OVERHEAD` of the budget on top (docs/tokens.md): packing
+    greedily would put a few long rows and many short ones in one wide micro-batch, all of
+    them padded to the longest; cutting at every change of length would launch many small
+    micro-batches. The longest micro-batch comes first, so the step's peak memory shows at
+    once. ``rows`` names the rows (default: ``0..N-1``), e.g. a step's ``indices``.
     """
     lengths = torch.as_tensor(lengths).to("cpu", torch.int64).reshape(-1)
     n = lengths.numel()
-    cap = n if micro_batch_size is None else int(micro_batch_size)
     if n == 0:
         raise ValueError("lengths is empty: no rows to plan")
     longest = int(lengths.max())
@@ -79,16 +79,40 @@ def plan_tokens(lengths: torch.Tensor, micro_batch_tokens: int, micro_batch_size
                          f"micro-batch may hold; raise micro_batch_tokens to at least {longest} or truncate the rows")
     perm = torch.argsort(lengths, descending=True, stable=True)
     ordered = lengths[perm]
-    sizes, widths, i = [], [], 0
-    for_width = ordered.clamp(min=1).tolist()
-    while i < n:
-        w = for_width[i]
-        k = min(micro_batch_tokens // w, cap, n - i)
-        sizes.append(k)
-        widths.append(w)
-        i += k
+    sizes, widths = _cuts(ordered.clamp(min=1), micro_batch_tokens, n if micro_batch_size is None
+                          else int(micro_batch_size))
     order = perm if rows is None else rows.index_select(0, perm)
     return TokenPlan(order, sizes, widths, ordered)
+
+
+OVERHEAD = 1 / 8  # of the budget: what one more micro-batch is charged, in token positions
+
+
+def _cuts(ordered: torch.Tensor, budget: int, cap: int) -> tuple[list[int], list[int]]:
+    """Sizes and widths of consecutive groups of ``ordered`` (lengths, longest first, >= 1) that
+    minimize the streamed positions (rows x width) plus ``OVERHEAD * budget`` per group: a
+    shortest path over the row boundaries, one vectorized relaxation per group start."""
+    n = len(ordered)
+    widths_of = ordered.tolist()
+    best = torch.full((n + 1,), float("inf"), dtype=torch.float64)
+    best[0] = 0.0
+    start = torch.zeros(n + 1, dtype=torch.int64)
+    charge = OVERHEAD * budget
+    for i in range(n):
+        w = widths_of[i]
+        k = min(budget // w, cap, n - i)
+        reach = best[i] + charge + w * torch.arange(1, k + 1, dtype=torch.float64)
+        better = reach < best[i + 1:i + k + 1]
+        best[i + 1:i + k + 1] = torch.where(better, reach, best[i + 1:i + k + 1])
+        start[i + 1:i + k + 1] = torch.where(better, i, start[i + 1:i + k + 1])
+    sizes, widths, j = [], [], n
+    starts = start.tolist()
+    while j > 0:
+        i = starts[j]
+        sizes.append(j - i)
+        widths.append(widths_of[i])
+        j = i
+    return sizes[::-1], widths[::-1]
 
 
 class Rows:
