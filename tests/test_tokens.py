@@ -166,3 +166,60 @@ def test_lengths_by_key_and_by_callable():
     assert by_key.loss == pytest.approx(full, rel=1e-12) and by_call.loss == pytest.approx(full, rel=1e-12)
     with pytest.raises(ValueError, match="one length per row"):
         mbs_ext.accumulate(model, batch, loss_fn, micro_batch_tokens=48, token_lengths=lambda b: b["keep"])
+
+
+def _ddp_worker(rank):
+    """Rank 0 takes the batch's first 13 rows, rank 1 the other 7: different lengths, different
+    numbers of token micro-batches. Returns the stepped parameters and the micro-batch count."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TinyLM())
+    data = padded_batch(n=20)
+    rows = slice(0, 13) if rank == 0 else slice(13, 20)
+    mine = {k: v[rows] for k, v in data.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = mbs_ext.step(model, opt, mine, tiny_loss, micro_batch_tokens=2 * WIDTH,
+                          normalize=lambda b: (b["labels"] != -100).sum())
+    return [p.detach().clone() for p in model.module.parameters()], result.num_micro_batches
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_with_different_token_micro_batches_equal_one_process():
+    from ddp_harness import run_world
+
+    out = run_world(_ddp_worker, timeout=120)
+    assert out[0][1] != out[1][1]  # the ranks ran different numbers of micro-batches
+    torch.manual_seed(0)
+    ref = TinyLM()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    tiny_loss(ref, padded_batch(n=20)).backward()
+    opt.step()
+    for params, _ in out:
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow  # dynamo traces the model
+def test_compiled_model_is_not_recompiled_per_shape():
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = TinyLM()
+    compiled = torch.compile(model, backend=counting)
+    shapes = set()
+    batch = padded_batch(n=40)
+
+    def loss_fn(m, b):
+        shapes.add(tuple(b["input_ids"].shape))
+        return m(**b)
+
+    for _ in range(2):
+        mbs_ext.accumulate(compiled, batch, loss_fn, micro_batch_tokens=3 * WIDTH, micro_batch_size=12,
+                           normalize=lambda b: (b["labels"] != -100).sum())
+    assert len(shapes) >= 4
+    # Rows and width are traced as symbols from the first micro-batch on; a size of 1 (a row
+    # alone, a one-token width) is one more graph where dynamo specializes it.
+    assert len(graphs) <= 2, (len(graphs), sorted(shapes))

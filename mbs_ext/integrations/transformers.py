@@ -134,7 +134,7 @@ class StreamingTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        sizes = {"micro_batch_size": micro_batch_size}
+        sizes = {"micro_batch_size": micro_batch_size} if micro_batch_size is not None or options is None else {}
         if micro_batch_tokens is not None:  # rows grouped by length, trimmed (docs/tokens.md)
             sizes["micro_batch_tokens"] = micro_batch_tokens
         base = options if options is not None else StepOptions(**sizes)
