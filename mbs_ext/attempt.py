@@ -102,7 +102,7 @@ class Attempt:
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
         timings.update(compute_s=self.fb.compute_s, step_s=time.perf_counter() - t_finish)
         return StepResult(
-            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.info.rows,
+            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=max(sizes), num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
         )
 

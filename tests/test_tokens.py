@@ -116,8 +116,9 @@ def test_micro_batches_are_trimmed_and_bounded():
         assert bool(batch["attention_mask"][:, -1].any())  # no column of padding only
         return tiny_loss(model, batch)
 
-    mbs_ext.accumulate(TinyLM(), padded_batch(n=30), loss_fn, micro_batch_tokens=40)
+    result = mbs_ext.accumulate(TinyLM(), padded_batch(n=30), loss_fn, micro_batch_tokens=40)
     assert sum(rows for rows, _ in seen) == 30
+    assert result.micro_batch_size == max(rows for rows, _ in seen)  # the largest, not the first
     assert all(rows * width <= 40 for rows, width in seen)
     assert seen[0][1] == WIDTH and min(w for _, w in seen) < WIDTH
 
