@@ -20,6 +20,7 @@ from mbs_ext.step.batchnorm import BatchNormWarning, convert_batchnorm
 from mbs_ext.step.options import StepOptions
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streaming.ring import StreamRing
+from mbs_ext.streaming.tokens import TokenPlan, plan_tokens
 from mbs_ext.world import PeerFailed
 
 
@@ -43,6 +44,7 @@ __all__ = [
     "StepOptions",
     "StepResult",
     "StreamRing",
+    "TokenPlan",
     "__version__",
     "accumulate",
     "build_info",
@@ -50,6 +52,7 @@ __all__ = [
     "convert_batchnorm",
     "forward",
     "plan_micro_batch",
+    "plan_tokens",
     "scale_accumulate_",
     "step",
 ]

@@ -146,6 +146,9 @@ def check_supported(model: nn.Module, options: Any) -> None:
     if world_of(model, trainable(model), options.process_group).group is not None:
         raise ValueError("CachedLoss runs in one process only for now: under DDP or FSDP2 its loss would need every "
                          "rank's encodings. Stream it on one process, or use a loss that adds up over rows")
+    if options.micro_batch_tokens is not None:
+        raise ValueError("micro_batch_tokens is not supported by CachedLoss yet (its loss couples rows across "
+                         "micro-batches of one width): pass micro_batch_size")
     if options.micro_batch_size == "auto":
         raise ValueError("micro_batch_size='auto' is not planned for CachedLoss yet (its two passes and the "
                          "cached encodings): pass an int")

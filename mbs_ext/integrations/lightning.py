@@ -60,7 +60,7 @@ _REFUSED = {
 
 
 def StreamingStrategy(  # noqa: N802 - a factory named as the strategy the user puts in Trainer(strategy=...)
-    micro_batch_size: int | str,
+    micro_batch_size: int | str | None = None,
     normalize: Any = None,
     *,
     strategy: str | Strategy = "single_device",
@@ -71,7 +71,8 @@ def StreamingStrategy(  # noqa: N802 - a factory named as the strategy the user 
 
     ``micro_batch_size`` and ``normalize`` are :class:`mbs_ext.StepOptions` fields, as are
     ``options=`` and keywords named like its fields (``accumulate_dtype``, ``memory_budget``,
-    ...); other keywords go to the wrapped strategy's constructor (``device=`` for
+    ``micro_batch_tokens``: then ``micro_batch_size`` may be left out, docs/tokens.md, ...);
+    other keywords go to the wrapped strategy's constructor (``device=`` for
     ``"single_device"``, ``find_unused_parameters=`` for ``"ddp"``). ``strategy`` is
     ``"single_device"`` (the default; its device is the Trainer's, e.g. ``cuda:0`` with
     ``accelerator="gpu"``), ``"ddp"``, ``"ddp_spawn"``, or an instance of
@@ -79,7 +80,9 @@ def StreamingStrategy(  # noqa: N802 - a factory named as the strategy the user 
     """
     fields = {f for f in StepOptions.__dataclass_fields__}
     step_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-    opts = make_options(options, {"micro_batch_size": micro_batch_size, "normalize": normalize, **step_kw})
+    if micro_batch_size is not None or options is None:
+        step_kw["micro_batch_size"] = micro_batch_size
+    opts = make_options(options, {"normalize": normalize, **step_kw})
     if opts.max_grad_norm is not None:
         raise ValueError("max_grad_norm: use the Trainer's gradient_clip_val (Lightning clips the full mini-batch "
                          "gradient after the stream)")

@@ -113,7 +113,9 @@ class StreamingTrainer(Trainer):
     """A ``transformers.Trainer`` that streams each training batch in micro-batches.
 
     ``micro_batch_size``: rows per micro-batch (an int, or ``"auto"`` with
-    ``options=StepOptions(..., memory_budget=...)``). ``normalize``: what each micro-batch's
+    ``options=StepOptions(..., memory_budget=...)``), or a cap on rows beside
+    ``micro_batch_tokens`` (rows grouped by length and trimmed, at most that many tokens counting
+    padding per micro-batch: docs/tokens.md), which may stand alone. ``normalize``: what each micro-batch's
     loss averages over; ``None`` (default) counts the label tokens the model's loss scores
     (see :func:`label_token_count`); otherwise any :class:`mbs_ext.StepOptions` ``normalize``.
     ``options``: further :class:`mbs_ext.StepOptions` fields (``accumulate_dtype``,
@@ -125,13 +127,17 @@ class StreamingTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        micro_batch_size: int | str,
+        micro_batch_size: int | str | None = None,
         normalize: Any = None,
         options: StepOptions | None = None,
+        micro_batch_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        base = options if options is not None else StepOptions(micro_batch_size=micro_batch_size)
+        sizes = {"micro_batch_size": micro_batch_size} if micro_batch_size is not None or options is None else {}
+        if micro_batch_tokens is not None:  # rows grouped by length, trimmed (docs/tokens.md)
+            sizes["micro_batch_tokens"] = micro_batch_tokens
+        base = options if options is not None else StepOptions(**sizes)
         if not isinstance(base, StepOptions):
             raise TypeError(f"options must be a mbs_ext.StepOptions, got {type(base).__name__}")
         if base.max_grad_norm is not None or base.scaler is not None:
@@ -140,7 +146,7 @@ class StreamingTrainer(Trainer):
                 "the Accelerator's GradScaler under fp16); leave them unset here"
             )
         self._check_setup(normalize)
-        self.stream_options = base.replace(micro_batch_size=micro_batch_size, normalize=normalize)
+        self.stream_options = base.replace(**sizes, normalize=normalize)
         self.last_stream_result: mbs_ext.StepResult | None = None
         self._counts_compared = False  # whether the plain Trainer's count was compared with ours (once)
 

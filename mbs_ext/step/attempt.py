@@ -27,7 +27,8 @@ from mbs_ext.step.forward_backward import ForwardBackward
 from mbs_ext.step.options import StepOptions
 from mbs_ext.step.rollback import StepGuard
 from mbs_ext.streaming.batch import BatchInfo
-from mbs_ext.streaming.ring import StreamRing, split_sizes
+from mbs_ext.streaming.ring import StreamRing
+from mbs_ext.streaming.tokens import split
 from mbs_ext.world import PeerFailed, Phase, World
 
 
@@ -62,7 +63,8 @@ class Attempt:
             ring: StreamRing, call: Call, m: int) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish (step where ``optimizer`` is given);
         on any error undo everything first."""
-        sizes = split_sizes(call.info.rows, m)
+        cut = split(call.batch, call.info, options, m)  # by rows, or by tokens: checked before anything changes
+        sizes = cut.sizes
         warn_split_statistics(model, call.normalizing, len(sizes))
         device, world = call.device, call.world
         guard = StepGuard(call.found, call.params, optimizer, options.scaler, device, call.batchnorms)
@@ -72,15 +74,14 @@ class Attempt:
             guard.begin()  # old gradients go before new buffers are allocated
             self.phase = Phase.SYNCING_BUFFERS
             sink = world.start(call.params, device, options.accumulate_dtype)
-            normalizer = world.normalizer(call.rule, call.batch, call.info, sizes, device)
+            normalizer = world.normalizer(call.rule, call.batch, cut.info, sizes, device)
             self.phase = Phase.AGREEING
             padded = world.agree(normalizer, len(sizes), device)
             self.phase = Phase.STREAMING
             self.fb = ForwardBackward(model, call.loss_call, options, normalizer, sink, world, device, len(sizes),
                                       padded)
             with world.streaming():
-                # A CPU model reads row ranges of the host batch in place: nothing to stage.
-                self.fb.run(ring.stream(call.batch, m, indices=call.info.indices, copy=device.type != "cpu"))
+                self.fb.run(cut.stream(ring, call.batch, device))
             self.phase = Phase.COLLECTING
             record = world.collect(normalizer, sink)
             t_finish = time.perf_counter()
@@ -97,11 +98,11 @@ class Attempt:
             if isinstance(exc, Exception):  # before back-off: every rank must decide alike
                 self.share_failure(exc, call.params, device, options.accumulate_dtype)
             raise
-        stats = ring.stats()  # totals of this step's stream
+        stats = cut.stats(ring)  # totals of this step's stream
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
         timings.update(compute_s=self.fb.compute_s, step_s=time.perf_counter() - t_finish)
         return StepResult(
-            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=sizes[0], num_samples=call.info.rows,
+            loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=max(sizes), num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
         )
 

@@ -75,7 +75,8 @@ class StepCache:
         """The size to stream with, and the key under which out-of-memory back-off remembers one."""
         if opts.micro_batch_size != "auto":
             key: tuple = ("fixed", info.signature)
-            m = int(opts.micro_batch_size)
+            # Grouped by tokens without a row cap: the token budget alone bounds a micro-batch.
+            m = info.rows if opts.micro_batch_size is None else int(opts.micro_batch_size)
         else:
             # Keyed on the caller's budget, not on a measured free-memory figure that
             # moves from step to step, so plans and back-off sizes stay remembered.

@@ -57,9 +57,19 @@ class StepOptions:
     * ``fsdp_accumulate``: under FSDP2, ``"sharded"`` (reduce-scatter every micro-batch:
       1/world of the gradient memory) or ``"unsharded"`` (full gradients accumulate, one
       reduce-scatter at the end: fewer collectives, more memory).
+    * ``micro_batch_tokens``: int >= 1: split a padded sequence batch by tokens, not rows
+      (docs/tokens.md). Rows are grouped by length, each micro-batch holds at most this
+      many tokens counting padding (rows x width) and is trimmed along dim 1 to its longest
+      row (every tensor leaf whose dim 1 is the padded width: ids, masks, labels, position
+      ids). ``micro_batch_size`` (an int) then caps the rows, or is left out. The batch
+      must be right-padded; left padding, labels that are not -100 at padding positions and
+      a row longer than the budget are refused before anything runs.
+    * ``token_lengths``: where row lengths come from with ``micro_batch_tokens``: None (the
+      batch's ``"attention_mask"`` leaf), the dict key of another 0/1 mask, or a callable
+      ``lengths(batch)`` returning a 1-d integer tensor, one length per row.
     """
 
-    micro_batch_size: int | str
+    micro_batch_size: int | str | None = None
     normalize: Normalize = None
     scaler: torch.amp.GradScaler | None = None
     autocast_dtype: torch.dtype | None = None
@@ -69,9 +79,15 @@ class StepOptions:
     memory_budget: int | None = None
     fsdp_accumulate: str = "sharded"
     process_group: Any = None
+    micro_batch_tokens: int | None = None
+    token_lengths: str | Callable[[Any], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        _check_micro_batch_size(self.micro_batch_size)
+        if self.micro_batch_size is None and self.micro_batch_tokens is None:
+            raise TypeError("micro_batch_size is required (an int >= 1 or 'auto') unless micro_batch_tokens is given")
+        if self.micro_batch_size is not None:
+            _check_micro_batch_size(self.micro_batch_size)
+        _check_tokens(self.micro_batch_tokens, self.token_lengths, self.micro_batch_size)
         check_normalize(self.normalize)
         if self.scaler is not None and not isinstance(self.scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(self.scaler).__name__}")
@@ -100,8 +116,9 @@ class StepOptions:
 def make_options(options: StepOptions | None, overrides: dict[str, Any]) -> StepOptions:
     """``options`` with keyword ``overrides``, or options built from the keywords alone."""
     if options is None:
-        if "micro_batch_size" not in overrides:
-            raise TypeError("micro_batch_size is required (an int >= 1 or 'auto'), or pass options=StepOptions(...)")
+        if "micro_batch_size" not in overrides and "micro_batch_tokens" not in overrides:
+            raise TypeError("micro_batch_size is required (an int >= 1 or 'auto'), or micro_batch_tokens, or pass "
+                            "options=StepOptions(...)")
         return StepOptions(**overrides)
     if not isinstance(options, StepOptions):
         raise TypeError(f"options must be a mbs_ext.StepOptions, got {type(options).__name__}")
@@ -141,6 +158,26 @@ def _check_micro_batch_size(micro_batch_size: Any) -> None:
         raise TypeError(f"micro_batch_size must be an int >= 1 or 'auto', got {type(micro_batch_size).__name__}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size}")
+
+
+def _check_tokens(tokens: Any, lengths: Any, micro_batch_size: Any) -> None:
+    if tokens is None:
+        if lengths is not None:
+            raise ValueError("token_lengths is read only with micro_batch_tokens: pass micro_batch_tokens=T too")
+        return
+    if tokens == "auto":
+        raise ValueError("micro_batch_tokens='auto' is not supported yet: pass a number of tokens (rows x padded "
+                         "width) that fits, e.g. the micro_batch_size that fits at full width times that width")
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+        raise TypeError(f"micro_batch_tokens must be an int >= 1 or None, got {type(tokens).__name__}")
+    if tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be an int >= 1, got {tokens}")
+    if micro_batch_size == "auto":
+        raise ValueError("micro_batch_tokens bounds the micro-batches itself: with it, micro_batch_size is a cap on "
+                         "rows (an int) or None, not 'auto'")
+    if lengths is not None and not isinstance(lengths, str) and not callable(lengths):
+        raise TypeError("token_lengths must be None (the batch's 'attention_mask'), the dict key of a 0/1 mask, or "
+                        f"a callable(batch) returning each row's length, got {type(lengths).__name__}")
 
 
 def _check_dtype(value: Any, name: str) -> None:

@@ -1,0 +1,226 @@
+"""Micro-batches shaped by tokens (``micro_batch_tokens``): rows grouped by length, each
+micro-batch trimmed to its longest row, the step equal to the full-batch step on the padded
+batch; what would make it differ (left padding, labels at padding positions, a row longer
+than the budget) refused before anything changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mbs_ext
+
+VOCAB, WIDTH = 37, 24
+
+
+def padded_batch(n: int = 14, width: int = WIDTH, seed: int = 0, left: bool = False) -> dict:
+    """Right-padded (or left-padded) rows of random lengths; labels -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    lengths[0] = width  # one full row
+    lengths[1] = 1
+    ids = torch.randint(1, VOCAB, (n, width), generator=g)
+    positions = torch.arange(width)
+    real = positions >= (width - lengths)[:, None] if left else positions < lengths[:, None]
+    mask = real.long()
+    return {"input_ids": ids.masked_fill(~real, 0), "attention_mask": mask,
+            "labels": ids.masked_fill(~real, -100)}
+
+
+def label_count(batch: dict) -> torch.Tensor:
+    """The label tokens a causal LM's loss scores (shifted by one)."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+class TinyLM(nn.Module):
+    """A model that reads every sequence leaf: a per-token loss over real positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8, dtype=torch.float64)
+        self.out = nn.Linear(8, VOCAB, dtype=torch.float64)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.emb(input_ids).cumsum(1) * attention_mask[..., None]
+        return nn.functional.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def tiny_loss(model, batch):
+    return model(**batch)
+
+
+def grads_of(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_plan_groups_rows_within_the_budget():
+    lengths = torch.tensor([5, 17, 3, 17, 9, 1, 12, 8, 0, 16])
+    plan = mbs_ext.plan_tokens(lengths, 34, micro_batch_size=3)
+    assert sorted(plan.order.tolist()) == list(range(10))
+    assert sum(plan.sizes) == 10 and all(1 <= s <= 3 for s in plan.sizes)
+    start = 0
+    for size, width in zip(plan.sizes, plan.widths):
+        rows = plan.order[start:start + size]
+        assert size * width <= 34
+        assert int(lengths[rows].max().clamp(min=1)) == width  # trimmed to its longest row
+        start += size
+    assert plan.widths == sorted(plan.widths, reverse=True)  # the longest first
+    assert 0 <= plan.padding < 0.3
+    with pytest.raises(ValueError, match="micro_batch_tokens=16: row 1 has 17 tokens"):
+        mbs_ext.plan_tokens(lengths, 16)
+
+
+def test_options():
+    assert mbs_ext.StepOptions(micro_batch_tokens=64).micro_batch_size is None
+    with pytest.raises(ValueError, match="'auto' is not supported yet"):
+        mbs_ext.StepOptions(micro_batch_tokens="auto")
+    with pytest.raises(ValueError, match="micro_batch_size is a cap on rows"):
+        mbs_ext.StepOptions(micro_batch_size="auto", micro_batch_tokens=64)
+    with pytest.raises(TypeError, match="micro_batch_size is required"):
+        mbs_ext.StepOptions()
+    with pytest.raises(ValueError, match="token_lengths is read only with micro_batch_tokens"):
+        mbs_ext.StepOptions(micro_batch_size=2, token_lengths="mask")
+
+
+@pytest.mark.parametrize("cap", [None, 3])
+@pytest.mark.parametrize("use_indices", [False, True])
+def test_tiny_model_step_equals_full_batch(cap, use_indices):
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    data = padded_batch(n=20)
+    indices = torch.tensor([3, 0, 7, 7, 12, 19, 5, 1, 9, 14, 2]) if use_indices else None
+    batch = data if indices is None else {k: v[indices] for k, v in data.items()}
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    ref_opt.zero_grad()
+    loss = tiny_loss(ref, batch)
+    loss.backward()
+    ref_opt.step()
+    result = mbs_ext.step(model, opt, data, tiny_loss, indices=indices, micro_batch_tokens=2 * WIDTH,
+                          micro_batch_size=cap, normalize=lambda b: (b["labels"] != -100).sum())
+    assert result.num_micro_batches > 1
+    assert result.loss == pytest.approx(loss.item(), rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_micro_batches_are_trimmed_and_bounded():
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(tuple(batch["input_ids"].shape))
+        assert batch["attention_mask"].shape == batch["labels"].shape == batch["input_ids"].shape
+        assert bool(batch["attention_mask"][:, -1].any())  # no column of padding only
+        return tiny_loss(model, batch)
+
+    result = mbs_ext.accumulate(TinyLM(), padded_batch(n=30), loss_fn, micro_batch_tokens=40)
+    assert sum(rows for rows, _ in seen) == 30
+    assert result.micro_batch_size == max(rows for rows, _ in seen)  # the largest, not the first
+    assert all(rows * width <= 40 for rows, width in seen)
+    assert seen[0][1] == WIDTH and min(w for _, w in seen) < WIDTH
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ("left", "left-padded"),
+    ("holes", "not padded at the end only"),
+    ("labels", "holds targets at padding positions"),
+    ("long", "row 0 has 24 tokens"),
+    ("no_mask", "has no 2-d 'attention_mask' leaf"),
+])
+def test_refused_before_anything_changes(change, match):
+    model = TinyLM()
+    batch = padded_batch(left=change == "left")
+    if change == "holes":
+        batch["attention_mask"][2, 0] = 0
+    if change == "labels":
+        batch["labels"] = batch["input_ids"].clone()
+    if change == "no_mask":
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(ValueError, match=match):
+        mbs_ext.step(model, opt, batch, tiny_loss, micro_batch_tokens=20 if change == "long" else 4 * WIDTH)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b) and bool((p.grad == 7.0).all())
+
+
+def test_lengths_by_key_and_by_callable():
+    data = padded_batch()
+    mask = data.pop("attention_mask")
+    batch = {**data, "keep": mask}
+
+    def loss_fn(model, b):
+        return tiny_loss(model, {"input_ids": b["input_ids"], "attention_mask": b["keep"], "labels": b["labels"]})
+
+    model = TinyLM()
+    full = loss_fn(copy.deepcopy(model), batch).item()
+    by_key = mbs_ext.accumulate(model, batch, loss_fn, micro_batch_tokens=48, token_lengths="keep",
+                                normalize=lambda b: (b["labels"] != -100).sum())
+    by_call = mbs_ext.accumulate(model, batch, loss_fn, micro_batch_tokens=48,
+                                 token_lengths=lambda b: b["keep"].sum(1),
+                                 normalize=lambda b: (b["labels"] != -100).sum())
+    assert by_key.loss == pytest.approx(full, rel=1e-12) and by_call.loss == pytest.approx(full, rel=1e-12)
+    with pytest.raises(ValueError, match="one length per row"):
+        mbs_ext.accumulate(model, batch, loss_fn, micro_batch_tokens=48, token_lengths=lambda b: b["keep"])
+
+
+def _ddp_worker(rank):
+    """Rank 0 takes the batch's first 13 rows, rank 1 the other 7: different lengths, different
+    numbers of token micro-batches. Returns the stepped parameters and the micro-batch count."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TinyLM())
+    data = padded_batch(n=20)
+    rows = slice(0, 13) if rank == 0 else slice(13, 20)
+    mine = {k: v[rows] for k, v in data.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = mbs_ext.step(model, opt, mine, tiny_loss, micro_batch_tokens=2 * WIDTH,
+                          normalize=lambda b: (b["labels"] != -100).sum())
+    return [p.detach().clone() for p in model.module.parameters()], result.num_micro_batches
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_with_different_token_micro_batches_equal_one_process():
+    from ddp_harness import run_world
+
+    out = run_world(_ddp_worker, timeout=120)
+    assert out[0][1] != out[1][1]  # the ranks ran different numbers of micro-batches
+    torch.manual_seed(0)
+    ref = TinyLM()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    tiny_loss(ref, padded_batch(n=20)).backward()
+    opt.step()
+    for params, _ in out:
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow  # dynamo traces the model
+def test_compiled_model_is_not_recompiled_per_shape():
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = TinyLM()
+    compiled = torch.compile(model, backend=counting)
+    shapes = set()
+    batch = padded_batch(n=40)
+
+    def loss_fn(m, b):
+        shapes.add(tuple(b["input_ids"].shape))
+        return m(**b)
+
+    for _ in range(2):
+        mbs_ext.accumulate(compiled, batch, loss_fn, micro_batch_tokens=3 * WIDTH, micro_batch_size=12,
+                           normalize=lambda b: (b["labels"] != -100).sum())
+    assert len(shapes) >= 4
+    # Rows and width are traced as symbols from the first micro-batch on; a size of 1 (a row
+    # alone, a one-token width) is one more graph where dynamo specializes it.
+    assert len(graphs) <= 2, (len(graphs), sorted(shapes))
