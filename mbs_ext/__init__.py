@@ -12,7 +12,7 @@ import torch
 from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnostics: reachable after `import mbs_ext`)
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
-from mbs_ext.batchnorm import BatchNormWarning, convert_batchnorm
+from mbs_ext.batchnorm import BatchNormWarning, convert_batchnorm, set_batchnorm_across_ranks
 from mbs_ext.cached import CachedLoss, forward
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.options import StepOptions
@@ -51,5 +51,6 @@ __all__ = [
     "forward",
     "plan_micro_batch",
     "scale_accumulate_",
+    "set_batchnorm_across_ranks",
     "step",
 ]

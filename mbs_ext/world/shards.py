@@ -27,7 +27,7 @@ from torch import nn
 
 from mbs_ext import counts
 from mbs_ext.backoff import is_out_of_memory
-from mbs_ext.batch import BatchInfo, row_slices
+from mbs_ext.batch import BatchInfo
 from mbs_ext.grads import LOW_PRECISION, accumulation_dtype
 from mbs_ext.loss import autocast
 from mbs_ext.messages import add_note
@@ -54,16 +54,12 @@ class Shards(World):
     def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
                    device: torch.device) -> Normalizer:
         """Every micro-batch counted ahead (the agreement needs this rank's total)."""
-        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
-        if not isinstance(source, counts.Ahead):
-            called = isinstance(source, counts.Called)
-            source = counts.Ahead([source.take(mb, rows) for mb, rows in
-                                   row_slices(batch, sizes, info.indices, needed=called)])
-        return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+        return Normalizer(rule, counts.ahead(rule, batch, info, sizes, device), num_micro_batches=len(sizes),
+                          device=device)
 
-    def agree(self, normalizer: Normalizer, num_micro_batches: int, device: torch.device) -> int:
+    def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
         """One all-reduce: the most micro-batches of any rank, and the global total (weights exact)."""
-        padded, total = self._agree(counts.local_total(normalizer.source.counts), num_micro_batches, device)
+        padded, total = self._agree(counts.local_total(normalizer.source.counts), len(sizes), device)
         normalizer.fix(total)
         return padded
 
