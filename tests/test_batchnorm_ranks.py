@@ -128,9 +128,48 @@ def _failing(rank, where):
     return raised, unchanged
 
 
+def _switch_mismatch(rank):
+    """Rank 1 switched the layers off, rank 0 not: every rank raises, nothing changes."""
+    model = mbs_ext.convert_batchnorm(make_model(), across_ranks=True)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mbs_ext.set_batchnorm_across_ranks(ddp, rank == 0)
+    x, y = data()
+    a, b = rank_rows(rank)
+    try:
+        mbs_ext.step(ddp, optimizer("sgd", ddp), (x[a:b], y[a:b]), ce, micro_batch_size=3)
+        raised = ""
+    except ValueError as exc:
+        raised = str(exc)
+    return raised, all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _fsdp(rank):
+    """FSDP2: the ranks' micro-batches pair up in the agreement FSDP2 already has."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = mbs_ext.convert_batchnorm(make_model(), across_ranks=True)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = optimizer("sgd", model)
+    x, y = data()
+    a, b = rank_rows(rank)
+    mbs_ext.step(model, opt, (x[a:b], y[a:b]), ce, micro_batch_size=3)
+    state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+             for n, p in model.named_parameters()}
+    state.update({n: b.clone() for n, b in model.named_buffers()})
+    return state
+
+
 def _worker(rank):
     warnings.simplefilter("ignore", mbs_ext.BatchNormWarning)
     out = {name: _scenario(rank, name) for name in SCENARIOS}
+    out["mismatch"] = _switch_mismatch(rank)
+    out["fsdp"] = _fsdp(rank)
     out["sync"] = _sync_batchnorm(rank)
     out["fail_streaming"] = _failing(rank, "streaming")
     out["fail_checking"] = _failing(rank, "checking")
@@ -267,6 +306,23 @@ def test_a_failing_rank_makes_every_rank_raise(results, where):
     assert results[1][f"fail_{where}"][0] in (own, "ValueError")
     assert results[0][f"fail_{where}"][0] == "PeerFailed"
     assert results[0][f"fail_{where}"][1] and results[1][f"fail_{where}"][1]
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_switches_differ_all_raise(results):
+    for rank in range(WORLD):
+        message, unchanged = results[rank]["mismatch"]
+        assert "set_batchnorm_across_ranks" in message and "[2, 0]" in message
+        assert unchanged
+
+
+@pytest.mark.multiprocess
+def test_fully_sharded_equals_the_reference(results):
+    model = make_model()
+    opt = optimizer("sgd", model)
+    reference_step(model, opt, chunks(3))
+    for rank in range(WORLD):
+        assert_close(results[rank]["fsdp"], model.state_dict())
 
 
 def test_one_process_runs_no_collective():

@@ -136,8 +136,9 @@ class World:
         """Something that tells whether a failing micro-batch's forward began (None: not needed)."""
         return None
 
-    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
-        """A micro-batch that weighs nothing, run only to pair collectives with other ranks."""
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
+        """A micro-batch that weighs nothing, run only to pair collectives with other ranks
+        (``index``: which one, where not ``pass_.index``)."""
         raise RuntimeError("zero-weight micro-batches run only where ranks must pair their collectives")
 
     def catch_up(self, pass_: Pass) -> bool:

@@ -42,22 +42,26 @@ class Pairing:
     """The across-rank BatchNorm layers of a step on rank ``rank`` of ``size`` in ``group``, and
     the turn each micro-batch gives them."""
 
-    def __init__(self, layers: list[nn.Module], group: Any, size: int, rank: int) -> None:
+    def __init__(self, layers: list[nn.Module], group: Any, size: int, rank: int, weighs_after: bool) -> None:
         self.active = [m for m in layers if getattr(m, "across_ranks", True)]
         self.group, self.size, self.rank = group, size, rank
+        self.weighs_after = weighs_after  # the sink weighs each micro-batch after its backward
         self.global_rows: list[int] = []
         self.turn: Turn | None = None
 
     @classmethod
-    def of(cls, modules: list[nn.Module], group: Any, size: int, rank: int) -> Pairing | None:
-        """None where no layer of ``modules`` takes statistics across ranks (nothing to pair)."""
+    def of(cls, modules: list[nn.Module], group: Any, size: int, rank: int, weighs_after: bool) -> Pairing | None:
+        """None where no layer of ``modules`` takes statistics across ranks (nothing to pair).
+        ``weighs_after``: the step's sink weighs each micro-batch's gradients after its backward
+        (replicas' buffers), not in the loss (FSDP2's autograd gradients)."""
         layers = across_rank_layers(modules)
-        return cls(layers, group, size, rank) if layers else None
+        return cls(layers, group, size, rank, weighs_after) if layers else None
 
     def agree(self, local_total: counts.Count, sizes: list[int], device: torch.device,
               failure: Failure | None = None) -> tuple[int, Any]:
         """One all-reduce: how many micro-batches every rank runs and the global total of the
-        counts. Every rank raises here where some rank failed before it, or their switches differ."""
+        counts (the most micro-batches of any rank). Every rank raises here where some rank failed
+        before it, or their switches differ."""
         s = self.size
         mine = [0.0] * (3 * s)
         if failure is None:
@@ -77,7 +81,7 @@ class Pairing:
         split = [[r // k + (j < r % k) for j in range(k)] if k else [] for k, r in zip(num, rows)]
         padded = max(num)
         self.global_rows = [sum(p[j] for p in split if j < len(p)) for j in range(padded)]
-        return (padded if self.active else len(sizes)), values[0]
+        return padded, values[0]
 
     def enter(self, index: int, zero_rows: bool = False) -> None:
         """Micro-batch ``index`` begins: each active layer gets this micro-batch's turn, unless its
@@ -91,7 +95,7 @@ class Pairing:
 
     def weigh(self, weight: Any) -> None:
         """The weight the step gives this micro-batch's gradients after its backward."""
-        if self.turn is not None:
+        if self.turn is not None and self.weighs_after:
             self.turn.weight = weight
 
     def began(self) -> bool:

@@ -72,7 +72,7 @@ class Replicas(World):
         return super().start(params, device, requested)
 
     def pair(self, modules: list[nn.Module]) -> None:
-        self.pairing = Pairing.of(modules, self.group, self.size, self.rank)
+        self.pairing = Pairing.of(modules, self.group, self.size, self.rank, weighs_after=True)
         self.runs_every_micro_batch = self.pairing is not None and bool(self.pairing.active)
 
     def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
@@ -90,13 +90,13 @@ class Replicas(World):
             return len(sizes)
         padded, total = self.pairing.agree(counts.local_total(normalizer.source.counts), sizes, device)
         normalizer.fix(total)
-        return padded
+        return padded if self.pairing.active else len(sizes)
 
     def streaming(self):
         return self.pairing.streaming() if self.pairing is not None else _NO_CONTEXT
 
-    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
-        self.pairing.pad(pass_, pass_.index, self.no_sync)
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
+        self.pairing.pad(pass_, pass_.index if index is None else index, self.no_sync)
 
     def catch_up(self, pass_: Pass) -> bool:
         return self.pairing is not None and self.pairing.catch_up(pass_, self.no_sync)
@@ -157,12 +157,14 @@ class Replicas(World):
         failure = Failure(micro_batch, is_out_of_memory(exc))
         text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
         together = False
-        if self.pairing is not None and self.pairing.active and phase >= Phase.AGREEING and not caught_up:
-            if phase == Phase.STREAMING:  # at AGREEING every rank raised in the agreement alike
+        if self.pairing is not None and phase >= Phase.AGREEING and not caught_up:
+            if phase == Phase.AGREEING:  # every rank raised in the agreement alike
+                return False
+            if self.pairing.active:
                 add_note(exc, f"mbs_ext.step: rank {self.rank} failed inside a micro-batch whose BatchNorm "
                               "collectives across ranks had begun: the other ranks wait in them until the process "
                               "group times out")
-            return False
+                return False
         try:
             if phase < Phase.SYNCING_BUFFERS:
                 self.sync_buffers()
