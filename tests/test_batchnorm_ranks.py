@@ -39,9 +39,11 @@ def rank_rows(rank):
     return start, start + ROWS[rank]
 
 
-def make_model(sync=False):
+def make_model(sync=False, track=True):
     torch.manual_seed(0)
-    bn2, bn1 = (nn.SyncBatchNorm(4), nn.SyncBatchNorm(6)) if sync else (nn.BatchNorm2d(4), nn.BatchNorm1d(6))
+    kw = {"track_running_stats": track}
+    bn2, bn1 = ((nn.SyncBatchNorm(4, **kw), nn.SyncBatchNorm(6, **kw)) if sync else
+                (nn.BatchNorm2d(4, **kw), nn.BatchNorm1d(6, **kw)))
     # No bias before a BatchNorm: its gradient is zero up to rounding, which AdamW would amplify.
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), bn2, nn.ReLU(), nn.Flatten(),
                          nn.Linear(100, 6, bias=False), bn1, nn.Tanh(), nn.Linear(6, 3)).double()
@@ -57,7 +59,7 @@ def optimizer(kind, model):
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
 
 
-# name: (micro_batch_size, optimizer, local_from, switch per step, eval mode)
+# name: (micro_batch_size, optimizer, local_from, switch per step, eval mode[, track_running_stats])
 SCENARIOS = {
     "m2_sgd": (2, "sgd", None, (True, True), False),
     "m3_sgd": (3, "sgd", None, (True, True), False),
@@ -66,12 +68,13 @@ SCENARIOS = {
     "m3_local_from_5": (3, "sgd", 5, (True, True), False),
     "m3_switch_off_then_on": (3, "adamw", None, (False, True), False),
     "m3_eval": (3, "sgd", None, (True, True), True),
+    "m3_no_running_stats": (3, "sgd", None, (True, True), False, False),
 }
 
 
 def _scenario(rank, name):
-    m, opt_kind, local_from, switches, evaluating = SCENARIOS[name]
-    model = mbs_ext.convert_batchnorm(make_model(), across_ranks=True, local_from=local_from)
+    m, opt_kind, local_from, switches, evaluating, *track = SCENARIOS[name]
+    model = mbs_ext.convert_batchnorm(make_model(track=track == []), across_ranks=True, local_from=local_from)
     if evaluating:
         for layer in model.modules():
             if isinstance(layer, nn.modules.batchnorm._BatchNorm):
@@ -216,8 +219,8 @@ def reference_step(model, opt, groups):
     seen = {}
     hooks = [bn.register_forward_pre_hook(lambda mod, args: seen.setdefault(mod, []).append(args[0].detach()))
              for bn in model.modules() if isinstance(bn, nn.modules.batchnorm._BatchNorm)]
-    saved = {bn: (bn.running_mean.clone(), bn.running_var.clone()) for bn in seen or
-             [b for b in model.modules() if isinstance(b, nn.modules.batchnorm._BatchNorm)]}
+    saved = {bn: (bn.running_mean.clone(), bn.running_var.clone()) for bn in model.modules()
+             if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.track_running_stats}
     opt.zero_grad()
     for group in groups:
         idx = torch.cat([torch.arange(a, b) for a, b in group])
@@ -227,7 +230,7 @@ def reference_step(model, opt, groups):
         h.remove()
     with torch.no_grad():
         for bn, inputs in seen.items():
-            if not bn.training:
+            if not bn.training or not bn.track_running_stats:
                 continue
             t = torch.cat(inputs).transpose(0, 1).reshape(bn.num_features, -1)
             rm, rv = saved[bn]
@@ -237,8 +240,8 @@ def reference_step(model, opt, groups):
 
 
 def reference(name):
-    m, opt_kind, local_from, switches, evaluating = SCENARIOS[name]
-    model = make_model()
+    m, opt_kind, local_from, switches, evaluating, *track = SCENARIOS[name]
+    model = make_model(track=track == [])
     if evaluating:
         for layer in model.modules():
             if isinstance(layer, nn.modules.batchnorm._BatchNorm):
