@@ -35,7 +35,7 @@ import mbs_ext
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ddp_harness import run_world  # noqa: E402
 
-ROWS, M, ROUNDS = 64, 16, 9
+ROWS, M, ROUNDS = 64, 16, 21
 MS = (4, 8, 16, 32)
 
 
