@@ -16,7 +16,7 @@ from mbs_ext.counts.cached import CachedLoss, forward
 from mbs_ext.counts.streamable import check_streamable
 from mbs_ext.memory.planner import MicroBatchPlan, plan_micro_batch
 from mbs_ext.ops import scale_accumulate_
-from mbs_ext.step.batchnorm import BatchNormWarning, convert_batchnorm
+from mbs_ext.step.batchnorm import BatchNormWarning, convert_batchnorm, set_batchnorm_across_ranks
 from mbs_ext.step.options import StepOptions
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streaming.ring import StreamRing
@@ -54,5 +54,6 @@ __all__ = [
     "plan_micro_batch",
     "plan_tokens",
     "scale_accumulate_",
+    "set_batchnorm_across_ranks",
     "step",
 ]

@@ -247,17 +247,20 @@ def test_batchnorm_classes_restored_when_a_deferral_fails_midway(monkeypatch):
     assert [type(m) for m in model] == [nn.BatchNorm1d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm1d]
 
 
-def test_sync_batchnorm_in_training_is_refused_before_anything_changes():
-    model = BNFirst(nn.SyncBatchNorm(3), 3).double()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"SyncBatchNorm in training mode \(bn\).*nn.BatchNorm"):
-        mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), loss_fn, micro_batch_size=2)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert all(p.grad is None for p in model.parameters())
-    model.bn.eval()  # in eval mode it only reads its statistics: allowed
-    mbs_ext.step(model, opt, torch.randn(6, 3, dtype=torch.float64), loss_fn, micro_batch_size=2)
+def test_sync_batchnorm_in_one_process_steps_as_batchnorm():
+    """nn.SyncBatchNorm in a streamed step: statistics across ranks where there are ranks
+    (tests/test_batchnorm_ranks.py); in one process, those of each micro-batch, running
+    statistics deferred, as nn.BatchNorm; its own class again afterwards."""
+    x = torch.randn(6, 3, dtype=torch.float64)
+    got = BNFirst(nn.SyncBatchNorm(3), 3).double()
+    want = BNFirst(nn.BatchNorm1d(3), 3).double()
+    want.load_state_dict(got.state_dict())
+    for model in (got, want):
+        with pytest.warns(mbs_ext.BatchNormWarning, match=r"bn \((Sync)?BatchNorm"):
+            mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss_fn, micro_batch_size=2)
+    assert type(got.bn) is nn.SyncBatchNorm
+    for k, v in want.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
 
 
 # ---- the warning: a split through BatchNorm in training is not the full batch ----

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from mbs_ext.streaming.batch import row_slices
+
 Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on the device
 
 INVALID_COUNT = "normalize count must be a non-negative finite number"
@@ -181,3 +183,13 @@ def local_total(counts: list[Count]) -> Count:
         return host
     total = torch.stack(on_device).sum()
     return total + host if host else total
+
+
+def ahead(rule: Any, batch: Any, info: Any, sizes: list[int], device: torch.device) -> Ahead:
+    """Every count of a rank's micro-batches, taken before the first one (an agreement across
+    ranks needs this rank's total)."""
+    source = choose(rule, info.targets, info.indices, sizes, device, alone=False)
+    if isinstance(source, Ahead):
+        return source
+    called = isinstance(source, Called)
+    return Ahead([source.take(mb, rows) for mb, rows in row_slices(batch, sizes, info.indices, needed=called)])

@@ -76,7 +76,7 @@ class Attempt:
             sink = world.start(call.params, device, options.accumulate_dtype)
             normalizer = world.normalizer(call.rule, call.batch, cut.info, sizes, device)
             self.phase = Phase.AGREEING
-            padded = world.agree(normalizer, len(sizes), device)
+            padded = world.agree(normalizer, sizes, device)
             self.phase = Phase.STREAMING
             self.fb = ForwardBackward(model, call.loss_call, options, normalizer, sink, world, device, len(sizes),
                                       padded)

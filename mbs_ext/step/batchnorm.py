@@ -20,9 +20,12 @@ parameters, buffers and state_dict keys are those of ``nn.BatchNorm``.
 
 A step defers plain ``nn.BatchNorm1d/2d/3d`` layers by itself (:func:`deferring`: they
 become their twins for the step and return to their own class after it), so
-``convert_batchnorm`` only makes the deferral permanent. ``nn.SyncBatchNorm`` in
-training mode is refused: its forward is a collective over the ranks, which ranks with
-different numbers of micro-batches would not all enter.
+``convert_batchnorm`` only makes the deferral permanent. Across ranks,
+``convert_batchnorm(model, across_ranks=True)`` makes each micro-batch's statistics span
+every rank's rows of that micro-batch (:mod:`mbs_ext.step.global_batchnorm`; the world pairs
+every rank's micro-batches: :mod:`mbs_ext.world.pairing`); an ``nn.SyncBatchNorm`` gets
+the same for the step (its own forward is a collective that ranks with different numbers
+of micro-batches would not all enter).
 
 The limit above is silent in the numbers (gradients a few percent off, nothing
 non-finite), and the README promises the full-batch step, so a step that streams more than
@@ -41,6 +44,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mbs_ext.messages import caller_stacklevel
+from mbs_ext.step.global_batchnorm import AcrossRanks
 
 
 class _DeferredStats:
@@ -76,7 +80,11 @@ class _DeferredStats:
         n = x.numel() // x.shape[1]
         mean = x.mean(dims)
         shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-        m2 = (x - mean.view(shape)).square().sum(dims)
+        self._merge(n, mean, (x - mean.view(shape)).square().sum(dims))
+
+    @torch.no_grad()
+    def _merge(self, n: int | torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """One micro-batch's per-channel (count, mean, M2) into the pending ones (parallel variance)."""
         if self._pending is None:
             self._pending = (n, mean, m2)
             return
@@ -142,8 +150,7 @@ _TWINS: dict[type, type] = {
 }
 
 
-def _twin(bn: nn.Module) -> nn.Module:
-    cls = _TWINS[type(bn)]
+def _twin(bn: nn.Module, cls: type, local_from: int | None = None) -> nn.Module:
     new = cls(
         bn.num_features,
         eps=bn.eps,
@@ -160,26 +167,88 @@ def _twin(bn: nn.Module) -> nn.Module:
     new.running_var = bn.running_var
     new.num_batches_tracked = bn.num_batches_tracked
     new.train(bn.training)
+    if local_from is not None:
+        new.local_from = local_from
     return new
 
 
-def convert_batchnorm(module: nn.Module) -> nn.Module:
+class AcrossRanksBatchNorm1d(AcrossRanks, DeferredBatchNorm1d):
+    """``nn.BatchNorm1d`` whose statistics, in a streamed step across ranks, span every rank's rows
+    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+
+
+class AcrossRanksBatchNorm2d(AcrossRanks, DeferredBatchNorm2d):
+    """``nn.BatchNorm2d`` whose statistics, in a streamed step across ranks, span every rank's rows
+    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+
+
+class AcrossRanksBatchNorm3d(AcrossRanks, DeferredBatchNorm3d):
+    """``nn.BatchNorm3d`` whose statistics, in a streamed step across ranks, span every rank's rows
+    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+
+
+class _AcrossRanksSync(AcrossRanks, _DeferredStats, nn.SyncBatchNorm):
+    """The class an ``nn.SyncBatchNorm`` wears during a streamed step: the same semantics (statistics
+    over every rank's rows), per micro-batch, with collectives every rank pairs up."""
+
+
+_ACROSS: dict[type, type] = {
+    nn.BatchNorm1d: AcrossRanksBatchNorm1d, DeferredBatchNorm1d: AcrossRanksBatchNorm1d,
+    nn.BatchNorm2d: AcrossRanksBatchNorm2d, DeferredBatchNorm2d: AcrossRanksBatchNorm2d,
+    nn.BatchNorm3d: AcrossRanksBatchNorm3d, DeferredBatchNorm3d: AcrossRanksBatchNorm3d,
+}
+
+
+def convert_batchnorm(module: nn.Module, across_ranks: bool = False, local_from: int | None = None) -> nn.Module:
     """Swap every BatchNorm1d/2d/3d in ``module`` for its deferred-statistics twin.
 
     In place (children are replaced on their parents) and returns ``module``; when
-    ``module`` itself is such a BatchNorm, its twin is returned. SyncBatchNorm and
+    ``module`` itself is such a BatchNorm, its twin is returned.
+
+    ``across_ranks=True``: the twins' statistics, in a streamed step under DDP or
+    ``process_group=``, span every rank's rows of each micro-batch, forward and backward
+    (two all-reduces per layer and micro-batch; see docs/batchnorm.md). ``local_from``: from
+    this global row count of a micro-batch on, the layers normalize each rank's rows alone
+    (no collective). ``nn.SyncBatchNorm`` layers keep their class (a step gives them this
+    behaviour by itself) and take ``local_from``. Without ``across_ranks``, SyncBatchNorm and
     already converted layers are left alone.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if type(module) in _TWINS:
-        return _twin(module)
+    if local_from is not None and (not across_ranks or isinstance(local_from, bool) or not isinstance(local_from, int)
+                                   or local_from < 1):
+        raise ValueError(f"local_from must be a positive int with across_ranks=True, got {local_from!r}")
+    twins = _ACROSS if across_ranks else _TWINS
+    if type(module) in twins:
+        return _twin(module, twins[type(module)], local_from)
     for name, child in list(module.named_children()):
-        if type(child) in _TWINS:
-            setattr(module, name, _twin(child))
+        if type(child) in twins:
+            setattr(module, name, _twin(child, twins[type(child)], local_from))
+        elif across_ranks and isinstance(child, nn.SyncBatchNorm):
+            child.local_from = local_from
         else:
-            convert_batchnorm(child)
+            convert_batchnorm(child, across_ranks, local_from)
     return module
+
+
+def set_batchnorm_across_ranks(module: nn.Module, enabled: bool) -> int:
+    """The switch of AGBN: ``enabled=False`` makes the across-rank BatchNorm layers of ``module``
+    (from ``convert_batchnorm(across_ranks=True)``, and ``nn.SyncBatchNorm``) normalize each rank's
+    rows alone, with no collective, until switched back. Flip it on every rank alike, between
+    steps: a step whose ranks disagree raises on every rank. Returns how many layers it set."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    layers = [m for m in module.modules() if isinstance(m, (AcrossRanks, nn.SyncBatchNorm))]
+    for m in layers:
+        m.across_ranks = enabled
+    return len(layers)
+
+
+def across_rank_layers(modules: list[nn.Module]) -> list[nn.Module]:
+    """The BatchNorm layers among ``modules`` whose statistics a step takes over every rank: converted
+    with ``across_ranks=True`` or ``nn.SyncBatchNorm``, normalizing with batch statistics."""
+    return [m for m in modules if isinstance(m, (AcrossRanks, nn.SyncBatchNorm))
+            and (m.training or not m.track_running_stats)]
 
 
 def deferred_layers(module: nn.Module) -> list[_DeferredStats]:
@@ -202,17 +271,9 @@ def deferring(model: nn.Module, modules: list[nn.Module]) -> _Deferring:
             continue
         if m.training or m.running_mean is None:  # normalizes with the statistics of what it is given
             normalizing.append(m)
-        if isinstance(m, nn.SyncBatchNorm) and m.training and m.track_running_stats:
-            name = next(n for n, x in model.named_modules() if x is m)
-            raise ValueError(
-                f"model has an nn.SyncBatchNorm in training mode ({name or 'the model'}): its forward "
-                "synchronizes with every rank per micro-batch, which a streamed step cannot keep in step. "
-                "Use nn.BatchNorm (mbs_ext commits its statistics once per mini-batch) or call "
-                "model.eval() on that layer"
-            )
-        if type(m) in _TWINS:
+        if type(m) in _TWINS or type(m) is nn.SyncBatchNorm:
             plain.append(m)
-        if isinstance(m, _DeferredStats) or type(m) in _TWINS:
+        if isinstance(m, _DeferredStats) or type(m) in _TWINS or type(m) is nn.SyncBatchNorm:
             layers.append(m)
     return _Deferring(plain, layers, normalizing)
 
@@ -231,7 +292,7 @@ class _Deferring:
             for m in self.plain:
                 original = type(m)
                 self.swapped.append((m, original))  # first: a failing swap is put back too
-                m.__class__ = _TWINS[original]
+                m.__class__ = _TWINS.get(original, _AcrossRanksSync)
                 m._deferred_init()
         except BaseException:
             self.__exit__()
@@ -241,7 +302,7 @@ class _Deferring:
     def __exit__(self, *exc: object) -> None:
         for m, original in self.swapped:
             m.__class__ = original
-            for attr in ("_collecting", "_pending"):
+            for attr in ("_collecting", "_pending", "_turn"):
                 m.__dict__.pop(attr, None)
         self.swapped = []
 
@@ -269,6 +330,7 @@ def warn_split_statistics(model: nn.Module, normalizing: list[nn.Module], num_mi
     _WARNED.add(model)
     wanted = {id(m) for m in normalizing}
     plain = {twin: cls for cls, twin in _TWINS.items()}  # during the step a layer wears its twin's class
+    plain[_AcrossRanksSync] = nn.SyncBatchNorm
     names = [f"{name or 'the model'} ({plain.get(type(m), type(m)).__name__})"
              for name, m in model.named_modules() if id(m) in wanted]
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -96,6 +96,7 @@ class ForwardBackward:
             if settle_now:
                 self._settle()
             return  # zero items: nothing to learn, skip the forward
+        self.world.micro_batch(self.index)
         self.world.before_backward(last, self.options)
         with self.world.no_sync():
             with _loss.autocast(self.device, self.options.autocast_dtype):
@@ -109,6 +110,7 @@ class ForwardBackward:
                 weight = norm.final_weight(c)
             else:
                 weight = norm.weight(c)
+            self.world.weigh(weight)
             sink.backward(loss, weight, self.options.scaler)
 
     def _settle(self) -> None:

@@ -120,6 +120,7 @@ class MicroBatchStreamer:
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
         found = _model.members(self.model)  # the one walk over the model's modules this step
         binding = self.cache.bind(self.model, self.optimizer, self.options.process_group, found)
+        binding.world.pair(found.modules)  # before anything can fail: a failure must reach every rank alike
         attempt = Attempt(binding.world)
         optimizer = self.optimizer if stepping else None
         try:

@@ -8,10 +8,11 @@ failure is this process's own.
 
 The hooks, in the order a step calls them:
 
-* before the pass: :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
+* before the pass: :meth:`pair` (whether BatchNorm layers take statistics across ranks),
+  :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
   sync, then the gradient sink), :meth:`normalizer` (the count source, chosen once, and
   the total where this world knows it ahead), :meth:`agree` (how many micro-batches run);
-* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`before_backward`,
+* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`before_backward`, :meth:`weigh`,
   :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
 * after it: :meth:`collect` (the step's one collective, then the gradient sums);
 * on failure and back-off: :meth:`share_failure`, :meth:`out_of_memory`,
@@ -76,8 +77,14 @@ class World:
     # Whether every micro-batch must run its forward and backward, even one that counts no
     # items (FSDP2: collectives run inside them).
     runs_every_micro_batch = False
+    # The across-rank BatchNorm layers of the step and their turns (mbs_ext.world.pairing); one
+    # process has none: such layers normalize its rows, with no collective.
+    pairing: Any = None
 
     # ---- before the pass
+    def pair(self, modules: list[nn.Module]) -> None:
+        """Before anything of a step can fail: whether its micro-batches must pair up across ranks
+        (BatchNorm layers whose statistics span the ranks; ``modules``: the model's)."""
     def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
         """What this world refuses, before anything changes."""
 
@@ -99,9 +106,9 @@ class World:
             normalizer.fix(normalizer.denom)
         return normalizer
 
-    def agree(self, normalizer: Normalizer, num_micro_batches: int, device: torch.device) -> int:
-        """How many micro-batches this rank runs (more than its own where others have more)."""
-        return num_micro_batches
+    def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
+        """How many micro-batches this rank runs (more than its own ``sizes`` where others have more)."""
+        return len(sizes)
 
     # ---- the pass
     def streaming(self) -> contextlib.AbstractContextManager:
@@ -112,6 +119,16 @@ class World:
         """Around each micro-batch's forward and backward."""
         return _NO_CONTEXT
 
+    def micro_batch(self, index: int) -> None:
+        """Before the forward of this rank's micro-batch ``index``."""
+        if self.pairing is not None:
+            self.pairing.enter(index)
+
+    def weigh(self, weight: Any) -> None:
+        """Before a micro-batch's backward: the ``weight`` the sink gives it."""
+        if self.pairing is not None:
+            self.pairing.weigh(weight)
+
     def before_backward(self, last: bool, options: StepOptions) -> None:
         """Before each micro-batch (``last``: the step's last one on this rank)."""
 
@@ -119,8 +136,9 @@ class World:
         """Something that tells whether a failing micro-batch's forward began (None: not needed)."""
         return None
 
-    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
-        """A micro-batch that weighs nothing, run only to pair collectives with other ranks."""
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
+        """A micro-batch that weighs nothing, run only to pair collectives with other ranks
+        (``index``: which one, where not ``pass_.index``)."""
         raise RuntimeError("zero-weight micro-batches run only where ranks must pair their collectives")
 
     def catch_up(self, pass_: Pass) -> bool:

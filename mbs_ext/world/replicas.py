@@ -15,6 +15,12 @@ record, and raises its own error; the others raise
 :class:`~mbs_ext.world.record.PeerFailed`. What this cannot cover: a rank dying outright
 (its peers wait until the process group times out), and a failure after the collective
 (the cast into ``.grad``, the optimizer step), which each rank meets alone.
+
+With BatchNorm layers whose statistics span the ranks, micro-batches pair up across ranks
+(:mod:`mbs_ext.world.pairing`): the ranks agree on them first, a rank with fewer runs padding
+ones, and a rank failing mid-stream runs the rest as padding before it shares its failure,
+provided no layer's collective of the failing micro-batch had run (else the others wait
+until the process group times out).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.step.grads import GradBuffers
 from mbs_ext.streaming.batch import BatchInfo
-from mbs_ext.world.one import _NO_CONTEXT, Phase, Sink, World
+from mbs_ext.world.one import _NO_CONTEXT, Pass, Phase, Sink, World
+from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import (
     Failure,
     Layout,
@@ -64,11 +71,35 @@ class Replicas(World):
         self.sync_buffers()
         return super().start(params, device, requested)
 
+    def pair(self, modules: list[nn.Module]) -> None:
+        self.pairing = Pairing.of(modules, self.group, self.size, self.rank, weighs_after=True)
+        self.runs_every_micro_batch = self.pairing is not None and bool(self.pairing.active)
+
     def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
                    device: torch.device) -> Normalizer:
-        """Counts weigh this rank against the others: always taken, the total only known after the pass."""
+        """Counts weigh this rank against the others: always taken, the total only known after the
+        pass, unless micro-batches pair up (then counted ahead: the agreement fixes the total)."""
+        if self.pairing is not None:
+            return Normalizer(rule, counts.ahead(rule, batch, info, sizes, device), num_micro_batches=len(sizes),
+                              device=device)
         source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
         return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+
+    def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
+        if self.pairing is None:
+            return len(sizes)
+        padded, total = self.pairing.agree(counts.local_total(normalizer.source.counts), sizes, device)
+        normalizer.fix(total)
+        return padded if self.pairing.active else len(sizes)
+
+    def streaming(self):
+        return self.pairing.streaming() if self.pairing is not None else _NO_CONTEXT
+
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
+        self.pairing.pad(pass_, pass_.index if index is None else index, self.no_sync)
+
+    def catch_up(self, pass_: Pass) -> bool:
+        return self.pairing is not None and self.pairing.catch_up(pass_, self.no_sync)
 
     def no_sync(self):
         """DDP's ``no_sync`` for every micro-batch: the step sums the gradients itself."""
@@ -119,23 +150,28 @@ class Replicas(World):
 
     def share_failure(self, exc: Exception, micro_batch: int, phase: Phase, caught_up: bool,
                       params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> bool:
-        """The buffer broadcast unless this rank got that far, zeros in the step's collective with
-        this rank's failure record, zero buffers in the sum. Notes on ``exc`` what the others were
-        told; where every failure was out of memory while streaming, every rank backs off."""
+        """The buffer broadcast unless this rank got that far, then the agreement (paired micro-batches)
+        or the step's collective and the buffer sum, with this rank's failure record. Notes on ``exc``
+        what the others were told; where every failure was out of memory while streaming, every rank
+        backs off."""
         failure = Failure(micro_batch, is_out_of_memory(exc))
         text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
         together = False
+        if self.pairing is not None and phase >= Phase.AGREEING and not caught_up:
+            if phase == Phase.AGREEING:  # every rank raised in the agreement alike
+                return False
+            if self.pairing.active:
+                add_note(exc, f"mbs_ext.step: rank {self.rank} failed inside a micro-batch whose BatchNorm "
+                              "collectives across ranks had begun: the other ranks wait in them until the process "
+                              "group times out")
+                return False
         try:
             if phase < Phase.SYNCING_BUFFERS:
                 self.sync_buffers()
-            layout = Layout(self.size, self.rank, presence=len(params))
-            record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
-            bufs = GradBuffers(params, self.buffer_dtype(requested, params))
-            bufs.all_reduce(self.group)
-            bufs.release()
-            slots = record.failure_slots().tolist()
-            together = out_of_memory_while_streaming(slots, self.size)
-            raise_failures(slots, self.size, self.rank)
+            if self.pairing is not None and phase < Phase.AGREEING:
+                self.pairing.agree(0.0, [], device, failure)  # the others wait in the agreement
+            else:
+                together = _join_collect(self, failure, params, device, requested)
         except PeerFailed as also:
             text += f"\n{also}"
         except Exception as join_exc:  # the process group itself failed: nothing more to do
@@ -162,3 +198,17 @@ class Replicas(World):
         t = torch.tensor([float(size or 0)], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item()) or None
+
+
+def _join_collect(world: Replicas, failure: Failure, params: list[nn.Parameter], device: torch.device,
+                  requested: torch.dtype | None) -> bool:
+    """Zeros and this rank's failure in the step's collective, zero buffers in the sum."""
+    layout = Layout(world.size, world.rank, presence=len(params))
+    record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, world.group))
+    bufs = GradBuffers(params, world.buffer_dtype(requested, params))
+    bufs.all_reduce(world.group)
+    bufs.release()
+    slots = record.failure_slots().tolist()
+    together = out_of_memory_while_streaming(slots, world.size)
+    raise_failures(slots, world.size, world.rank)
+    return together

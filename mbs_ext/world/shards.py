@@ -18,6 +18,7 @@ rank cannot replay: the others wait until the process group times out.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +33,9 @@ from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.step.grads import LOW_PRECISION, accumulation_dtype
 from mbs_ext.step.options import StepOptions
-from mbs_ext.streaming.batch import BatchInfo, row_slices
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
+from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import Failure, Layout, PeerFailed, Record, all_reduce_sum, failure_slots, raise_failures
 from mbs_ext.world.wrappers import unwrap
 
@@ -51,19 +52,22 @@ class Shards(World):
     def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
         fsdp.check_options(options, accumulation_dtype(options.accumulate_dtype, params))
 
-    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
+    def normalizer(self, rule: Rule, batch: Any, info: Any, sizes: list[int],
                    device: torch.device) -> Normalizer:
         """Every micro-batch counted ahead (the agreement needs this rank's total)."""
-        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
-        if not isinstance(source, counts.Ahead):
-            called = isinstance(source, counts.Called)
-            source = counts.Ahead([source.take(mb, rows) for mb, rows in
-                                   row_slices(batch, sizes, info.indices, needed=called)])
-        return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+        return Normalizer(rule, counts.ahead(rule, batch, info, sizes, device), num_micro_batches=len(sizes),
+                          device=device)
 
-    def agree(self, normalizer: Normalizer, num_micro_batches: int, device: torch.device) -> int:
+    def pair(self, modules: list[nn.Module]) -> None:
+        self.pairing = Pairing.of(modules, self.group, self.size, self.rank, weighs_after=False)
+
+    def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
         """One all-reduce: the most micro-batches of any rank, and the global total (weights exact)."""
-        padded, total = self._agree(counts.local_total(normalizer.source.counts), num_micro_batches, device)
+        local_total = counts.local_total(normalizer.source.counts)
+        if self.pairing is not None:  # the same all-reduce, with what the BatchNorm layers need
+            padded, total = self.pairing.agree(local_total, sizes, device)
+        else:
+            padded, total = self._agree(local_total, len(sizes), device)
         normalizer.fix(total)
         return padded
 
@@ -80,7 +84,12 @@ class Shards(World):
         return int(max(tail[: self.size])), values[0]
 
     def streaming(self):
-        return fsdp.summing(self.modules)
+        if self.pairing is None:
+            return fsdp.summing(self.modules)
+        stack = contextlib.ExitStack()
+        stack.enter_context(fsdp.summing(self.modules))
+        stack.enter_context(self.pairing.streaming())
+        return stack
 
     def before_backward(self, last: bool, options: StepOptions) -> None:
         """Accumulating unsharded gradients: reduce-scatter in the last backward only."""
@@ -90,10 +99,12 @@ class Shards(World):
     def watch(self, model: nn.Module) -> fsdp.ForwardWatch:
         return fsdp.forward_watch(unwrap(model))
 
-    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False) -> None:
+    def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
         """One row of the latest real micro-batch, in eval mode, at weight 0. ``lenient`` (catching
         up after a failure): should the loss function fail once the model's forward has run,
         the backward goes through the model's outputs instead."""
+        if self.pairing is not None:  # the BatchNorm layers take part with zero rows
+            self.pairing.enter(pass_.index if index is None else index, zero_rows=True)
         self.before_backward(last, pass_.options)
         pass_.watch.entered = False
         with fsdp.padding(pass_.model), autocast(pass_.device, pass_.options.autocast_dtype):
@@ -115,7 +126,7 @@ class Shards(World):
             return False
         try:
             for i in range(pass_.index, pass_.padded):
-                self.zero_weight(pass_, last=i == pass_.padded - 1, lenient=True)
+                self.zero_weight(pass_, last=i == pass_.padded - 1, lenient=True, index=i)
         except Exception:
             return False
         return True
@@ -147,6 +158,8 @@ class Shards(World):
                 layout = Layout(self.size, self.rank)
                 record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
                 raise_failures(record.failure_slots().tolist(), self.size, self.rank)
+            elif self.pairing is not None:
+                self.pairing.agree(0.0, [], device, failure)
             else:
                 self._agree(0.0, 0, device, failure)
         except PeerFailed as also:
