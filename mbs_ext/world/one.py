@@ -12,8 +12,8 @@ The hooks, in the order a step calls them:
   :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
   sync, then the gradient sink), :meth:`normalizer` (the count source, chosen once, and
   the total where this world knows it ahead), :meth:`agree` (how many micro-batches run);
-* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`before_backward`, :meth:`weigh`,
-  :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
+* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`before_backward`,
+  :meth:`weigh`, :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
 * after it: :meth:`collect` (the step's one collective, then the gradient sums);
 * on failure and back-off: :meth:`share_failure`, :meth:`out_of_memory`,
   :meth:`backs_off`, :meth:`backoff`, :meth:`failure_note`.
@@ -85,6 +85,7 @@ class World:
     def pair(self, modules: list[nn.Module]) -> None:
         """Before anything of a step can fail: whether its micro-batches must pair up across ranks
         (BatchNorm layers whose statistics span the ranks; ``modules``: the model's)."""
+
     def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
         """What this world refuses, before anything changes."""
 
