@@ -441,7 +441,7 @@ class TestOneProcessWorld:
 
     def test_alone_nothing_is_agreed_or_shared(self):
         one = world.World()
-        assert one.agree(None, 3, self.CPU) == 3
+        assert one.agree(None, [2, 2, 1], self.CPU) == 3
         assert one.share_failure(RuntimeError("x"), 1, world.Phase.STREAMING, False, [], self.CPU, None) is False
         assert one.backs_off(True) and not one.backs_off(False)
         phases = [world.Phase.CHECKING, world.Phase.SYNCING_BUFFERS, world.Phase.AGREEING, world.Phase.STREAMING,
