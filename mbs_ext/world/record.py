@@ -14,11 +14,14 @@ failed at + 1 (0: it did not fail), ``oom[r]`` 1.0 where that failure was out of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mbs_ext.messages import add_note
 
 Value = float | torch.Tensor  # a host number, or a one-element tensor on the device
 
@@ -74,6 +77,24 @@ def raise_failures(slots: list[float], world: int, rank: int) -> None:
         "gradients are as before it), and the failing rank raised its own error",
         out_of_memory=out_of_memory_while_streaming(slots, world),
     )
+
+
+def tell_others(exc: BaseException, rank: int, share: Callable[[], bool]) -> bool:
+    """A failed rank's part in the collectives it missed (``share``), with a note on ``exc`` saying
+    what the others were told. Returns whether every rank that failed ran out of memory while
+    streaming (``share``'s answer, or what the record said when another rank failed too)."""
+    text = f"mbs_ext.step: rank {rank} failed; every rank undid the step (nothing changed)"
+    together = False
+    try:
+        together = share()
+    except PeerFailed as also:
+        text += f"\n{also}"
+        together = also.out_of_memory
+    except Exception as join_exc:  # the process group itself failed: nothing more to do
+        text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
+                "until the process group times out")
+    add_note(exc, text)
+    return together
 
 
 def all_reduce_sum(values: list[Value], device: torch.device, group: Any) -> torch.Tensor:

@@ -44,11 +44,11 @@ from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import (
     Failure,
     Layout,
-    PeerFailed,
     Record,
     all_reduce_sum,
     out_of_memory_while_streaming,
     raise_failures,
+    tell_others,
 )
 from mbs_ext.world.wrappers import unwrap
 
@@ -115,21 +115,7 @@ class Replicas(World):
             return
         ddp.require_forward_param_sync = False  # DDP's own broadcast: off for the step's forwards
         if getattr(ddp, "broadcast_buffers", False):
-            self._broadcast_buffers(ddp)
-
-    @torch.no_grad()
-    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
-        ignore = getattr(ddp, "parameters_to_ignore", set())
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for name, b in ddp.module.named_buffers():
-            if name not in ignore:
-                groups.setdefault((b.device, b.dtype), []).append(b)
-        src = dist.get_global_rank(self.group, 0)
-        for bufs in groups.values():
-            flat = torch._utils._flatten_dense_tensors(bufs)
-            dist.broadcast(flat, src=src, group=self.group)
-            for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
-                b.copy_(v)
+            _broadcast_buffers(ddp, self.group)
 
     def collect(self, normalizer: Normalizer, sink: Sink) -> Record:
         """The step's collective, then the buffers summed over the ranks and cast into ``.grad``."""
@@ -155,8 +141,6 @@ class Replicas(World):
         what the others were told; where every failure was out of memory while streaming, every rank
         backs off."""
         failure = Failure(micro_batch, is_out_of_memory(exc))
-        text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
-        together = False
         if self.pairing is not None and phase >= Phase.AGREEING and not caught_up:
             if phase == Phase.AGREEING:  # every rank raised in the agreement alike
                 return False
@@ -165,20 +149,16 @@ class Replicas(World):
                               "collectives across ranks had begun: the other ranks wait in them until the process "
                               "group times out")
                 return False
-        try:
+
+        def share() -> bool:
             if phase < Phase.SYNCING_BUFFERS:
                 self.sync_buffers()
             if self.pairing is not None and phase < Phase.AGREEING:
                 self.pairing.agree(0.0, [], device, failure)  # the others wait in the agreement
-            else:
-                together = _join_collect(self, failure, params, device, requested)
-        except PeerFailed as also:
-            text += f"\n{also}"
-        except Exception as join_exc:  # the process group itself failed: nothing more to do
-            text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
-                    "until the process group times out")
-        add_note(exc, text)
-        return together
+                return False
+            return _join_collect(self, failure, params, device, requested)
+
+        return tell_others(exc, self.rank, share)
 
     def out_of_memory(self, exc: BaseException, together: bool) -> bool:
         """What the ranks shared (every rank reads the same), not this rank's own error."""
@@ -212,3 +192,20 @@ def _join_collect(world: Replicas, failure: Failure, params: list[nn.Parameter],
     together = out_of_memory_while_streaming(slots, world.size)
     raise_failures(slots, world.size, world.rank)
     return together
+
+
+@torch.no_grad()
+def _broadcast_buffers(ddp: DistributedDataParallel, group: Any) -> None:
+    """Rank 0's module buffers (those DDP does not ignore) to every rank of ``group``: one
+    broadcast per device and dtype."""
+    ignore = getattr(ddp, "parameters_to_ignore", set())
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for name, b in ddp.module.named_buffers():
+        if name not in ignore:
+            groups.setdefault((b.device, b.dtype), []).append(b)
+    src = dist.get_global_rank(group, 0)
+    for bufs in groups.values():
+        flat = torch._utils._flatten_dense_tensors(bufs)
+        dist.broadcast(flat, src=src, group=group)
+        for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
+            b.copy_(v)

@@ -36,7 +36,7 @@ from mbs_ext.step.options import StepOptions
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
-from mbs_ext.world.record import Failure, Layout, PeerFailed, Record, all_reduce_sum, failure_slots, raise_failures
+from mbs_ext.world.record import Failure, Layout, Record, all_reduce_sum, failure_slots, raise_failures, tell_others
 from mbs_ext.world.wrappers import unwrap
 
 
@@ -152,8 +152,8 @@ class Shards(World):
                           "any micro-batch arrived): the other ranks wait in them until the process group times out")
             return False
         failure = Failure(micro_batch, is_out_of_memory(exc))
-        text = f"mbs_ext.step: rank {self.rank} failed; every rank undid the step (nothing changed)"
-        try:
+
+        def share() -> bool:
             if phase >= Phase.AGREEING:
                 layout = Layout(self.size, self.rank)
                 record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
@@ -162,13 +162,10 @@ class Shards(World):
                 self.pairing.agree(0.0, [], device, failure)
             else:
                 self._agree(0.0, 0, device, failure)
-        except PeerFailed as also:
-            text += f"\n{also}"
-        except Exception as join_exc:  # the process group itself failed: nothing more to do
-            text = (f"mbs_ext.step: could not tell the other ranks ({join_exc!r}); they may wait in a collective "
-                    "until the process group times out")
-        add_note(exc, text)
-        return False
+            return False
+
+        tell_others(exc, self.rank, share)
+        return False  # never backs off (backs_off)
 
     def out_of_memory(self, exc: BaseException, together: bool) -> bool:
         return together
