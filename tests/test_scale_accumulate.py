@@ -634,3 +634,22 @@ def test_the_checks_are_written_once():
     assert [name for name in dir(native) if "scale" in name or "fault" in name or "scan" in name] == [
         "_scale_accumulate"
     ]
+
+
+@pytest.mark.parametrize("call", ["mbs_ext", "torch add_"])
+def test_an_accumulator_saved_for_backward_is_caught_by_autograd(call):
+    """What the op writes gets a new version, as with torch's own in-place ops: a backward through
+    an accumulator autograd saved, then changed by the op, is refused instead of silently wrong."""
+    x = torch.randn(3, requires_grad=True)
+    acc, found_inf = torch.zeros(3), torch.zeros(())
+    y = (x * acc).sum()  # the product saves acc for x's gradient
+    version = acc._version
+    if call == "mbs_ext":
+        before = found_inf._version
+        mbs_ext.scale_accumulate_([acc], [torch.ones(3)], 1.0, found_inf)
+        assert found_inf._version > before
+    else:
+        acc.add_(torch.ones(3))
+    assert acc._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

@@ -116,6 +116,15 @@ py::object as_python(const Fault& fault) {
 // other than a finite float/int or a float32/float64 tensor, tensors that are not plain, and
 // calls the dispatcher must see. run=false: the checks alone (for calls Python dispatches, and
 // for the fake kernel): a fault or None. Requires grad counts where grad mode is on.
+// As every in-place op does through the dispatcher (its ADInplaceOrView kernel): what a call
+// writes gets a new version, so that autograd refuses a backward through a tensor it saved and
+// this call changed. Inference tensors have no version to bump.
+void bump_versions(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handle scale, py::handle found_inf,
                             bool run) {
   const bool sequences = (PyList_Check(accumulators.ptr()) || PyTuple_Check(accumulators.ptr())) &&
@@ -153,7 +162,9 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   const c10::Device device = device_of(args);
   const Kernel kernel = kernel_for(device.type());
   if (kernel == nullptr || !seen.data) return py::none();  // the dispatcher says what is missing
+  bump_versions(args.accumulators);
   if (args.found_inf != nullptr) {
+    bump_versions(*args.found_inf);
     const py::gil_scoped_release no_gil;  // the tuples above keep the lists' tensors alive
     kernel(args.accumulators, args.grads, scale_arg, *args.found_inf, device);
     return py::reinterpret_borrow<py::object>(found_inf);
