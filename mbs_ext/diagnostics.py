@@ -5,7 +5,7 @@ of memory (what autograd saves, the peak of one micro-batch), the unchecked fuse
 (for measuring the cost of the checks) and the step's accumulator layout, the native
 module (for the ring's low-level tests), the ring's staging-thread default; and for
 measuring child processes, their environment, /proc memory figures, ``malloc_trim`` and
-thread count, and matplotlib for writing figures without a display.
+thread counts (all, or the ring's own by name), and matplotlib for writing figures without a display.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from mbs_ext.step.grads import buffer_layout
 from mbs_ext.streaming.ring import default_staging_threads, split_sizes
 
 __all__ = [
+    "RING_PRODUCER_THREAD",
+    "RING_STAGING_THREAD",
     "PeakTracker",
     "RssPeak",
     "buffer_layout",
@@ -62,9 +64,24 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def os_threads() -> int:
-    """Threads of this process as the OS counts them (Linux /proc)."""
-    return len(os.listdir("/proc/self/task"))
+def os_threads(*names: str) -> int:
+    """Threads of this process as the OS counts them (Linux /proc); with ``names``, only the
+    threads so named (``RING_PRODUCER_THREAD``: one per open stream; ``RING_STAGING_THREAD``:
+    a ring's staging pool, ``staging_threads - 1`` of them while the ring lives), a count
+    that other threads (torch's pools, a library's monitor started meanwhile) cannot blur."""
+    if not names:
+        return len(os.listdir("/proc/self/task"))
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        count += name in names
+    return count
+
+
+RING_PRODUCER_THREAD, RING_STAGING_THREAD = native.ring_thread_names
 
 
 def pyplot() -> Any:

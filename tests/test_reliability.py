@@ -17,7 +17,7 @@ from common import assert_bit_identical, assert_states_match, balanced_ranges, s
 from torch import nn
 
 import mbs_ext
-from mbs_ext.diagnostics import os_threads as threads
+from mbs_ext.diagnostics import RING_PRODUCER_THREAD, os_threads
 
 N, M = 11, 3  # four micro-batches: 3, 3, 3, 2 rows
 NUM_MB = 4
@@ -85,12 +85,12 @@ def test_exception_inside_the_model(fail_at, exc_type, device):
             raise exc_type("injected inside the model")
 
     handle = model.l2.register_forward_pre_hook(hook)
-    start_threads = threads()
+    start_threads = os_threads(RING_PRODUCER_THREAD)
     with pytest.raises(exc_type) as info:
         mbs_ext.step(model, opt, batch(), mse, micro_batch_size=M, scaler=scaler)
     handle.remove()
     assert any(f"micro-batch {fail_at} of {NUM_MB}" in note for note in info.value.__notes__)
-    assert threads() <= start_threads, "a worker thread outlived the failed step"
+    assert os_threads(RING_PRODUCER_THREAD) == start_threads, "a worker thread outlived the failed step"
     _assert_untouched_then_fresh_equivalent(model, opt, scaler, before, fresh)
 
 
@@ -167,7 +167,7 @@ def test_nonfinite_gradient_element_of_last_parameter_skips(bad_at, element, dev
 
 def test_interrupted_streams_leave_no_threads(device):
     model, opt, scaler = setup(device)
-    start = threads()
+    start = os_threads(RING_PRODUCER_THREAD)
     for k in range(30):
         calls = []
 
@@ -179,7 +179,7 @@ def test_interrupted_streams_leave_no_threads(device):
 
         with pytest.raises(KeyboardInterrupt):
             mbs_ext.step(model, opt, batch(), loss_fn, micro_batch_size=M)
-    assert threads() <= start + 1  # at most the ring's idle worker, never one per stream
+    assert os_threads(RING_PRODUCER_THREAD) == start  # no stream's worker outlives it
 
 
 def test_skipped_step_with_clipping_keeps_the_offending_gradient(device):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mbs_ext import StreamRing
 from mbs_ext.diagnostics import native as _C
-from mbs_ext.diagnostics import os_threads
+from mbs_ext.diagnostics import RING_PRODUCER_THREAD, RING_STAGING_THREAD, os_threads
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
@@ -206,7 +206,7 @@ def test_worker_error_surfaces_in_the_caller():
     huge = torch.zeros(1, 1).expand(2**52, 1)
     ring = StreamRing("cpu")
     gc.collect()  # rings of earlier tests left in cycles must not stop their threads mid-count
-    n_before = os_threads()
+    n_before = os_threads(RING_PRODUCER_THREAD)
     it = ring.stream((huge, "meta"), 2**50)
     with pytest.raises(torch.OutOfMemoryError) as info:
         next(it)
@@ -214,7 +214,7 @@ def test_worker_error_surfaces_in_the_caller():
     assert it._handle is None  # closed after the error
     with pytest.raises(StopIteration):
         next(it)
-    assert os_threads() == n_before
+    assert os_threads(RING_PRODUCER_THREAD) == n_before
     handle = ring._ring.open([huge], 2**40, None)  # the low-level handle repeats the error
     for _ in range(2):
         with pytest.raises(torch.OutOfMemoryError):
@@ -228,7 +228,7 @@ def test_early_break_and_thread_count():
     list(ring.stream(data, 8))  # warm-up: lazily started pools
     gc.collect()
     gc.collect()
-    before = os_threads()
+    before = os_threads(RING_PRODUCER_THREAD)
     for k in range(100):
         it = ring.stream(data, 3 + k % 5, indices=torch.randperm(64) if k % 3 == 0 else None)
         for j, _ in enumerate(it):
@@ -238,26 +238,26 @@ def test_early_break_and_thread_count():
             it.close()
     del it
     gc.collect()
-    assert os_threads() == before
+    assert os_threads(RING_PRODUCER_THREAD) == before
 
 
 def test_gc_and_dropping_ring_stop_worker():
     data = torch.randn(1000, 16)
     gc.collect()
-    before = os_threads()
+    before = os_threads(RING_PRODUCER_THREAD)
     it = StreamRing("cpu").stream(data, 10)  # the ring is a temporary
     next(it)
-    assert os_threads() == before + 1
+    assert os_threads(RING_PRODUCER_THREAD) == before + 1
     del it
     gc.collect()
-    assert os_threads() == before
+    assert os_threads(RING_PRODUCER_THREAD) == before
     for _ in range(20):
         ring = StreamRing("cpu", slots=3)
         it = ring.stream(data, 7)
         next(it)
         del ring, it
     gc.collect()
-    assert os_threads() == before
+    assert os_threads(RING_PRODUCER_THREAD) == before
 
 
 def test_new_stream_closes_previous():
@@ -578,7 +578,7 @@ def test_cuda_on_side_stream_and_early_break():
     ring = StreamRing("cuda")
     side = torch.cuda.Stream()
     gc.collect()
-    before = os_threads()
+    before = os_threads(RING_PRODUCER_THREAD)
     with torch.cuda.stream(side):
         got = []
         for j, mb in enumerate(ring.stream(data, 9)):
@@ -588,7 +588,7 @@ def test_cuda_on_side_stream_and_early_break():
     side.synchronize()
     assert torch.equal(torch.cat(got).cpu(), data[: sum(_C.split_sizes(100, 9)[:5])])
     gc.collect()
-    assert os_threads() <= before + 1  # torch may keep one lazily started helper
+    assert os_threads(RING_PRODUCER_THREAD) == before
 
 
 @needs_cuda
@@ -784,9 +784,9 @@ def test_staging_threads_argument_and_default():
 
 def test_staging_threads_are_the_rings_own():
     gc.collect()
-    before = os_threads()
+    before = os_threads(RING_STAGING_THREAD)
     ring = StreamRing("cpu", staging_threads=3)
-    assert os_threads() == before + 2  # the caller's worker thread counts as the third
+    assert os_threads(RING_STAGING_THREAD) == before + 2  # the caller's worker thread counts as the third
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -794,8 +794,6 @@ def test_staging_threads_are_the_rings_own():
         assert torch.equal(torch.cat(list(ring.stream(data, 10))), data)
     finally:
         torch.set_num_threads(old)
-    # torch's own pools may have shrunk or grown with set_num_threads: compare with now.
-    alive = os_threads()
     del ring
     gc.collect()
-    assert os_threads() == alive - 2
+    assert os_threads(RING_STAGING_THREAD) == before

@@ -2,6 +2,7 @@
 // worker thread never needs it, and the consumer may wait for data.
 #include "ring/bindings.h"
 
+#include "ring/core/thread_name.h"
 #include "ring/stream_ring.h"
 
 namespace mbs {
@@ -11,6 +12,8 @@ namespace py = pybind11;
 void bind_stream_ring(py::module_& m) {
   m.def("split_sizes", &ring_core::split_sizes, py::arg("rows"), py::arg("micro_batch_size"),
         "Balanced micro-batch sizes (the ring's rule; mbs_ext.batch.split_sizes is the same)");
+  m.attr("ring_thread_names") =
+      py::make_tuple(ring_core::kProducerThreadName, ring_core::kStagingThreadName);
   py::class_<RingIterator, std::shared_ptr<RingIterator>>(m, "RingIterator",
                                                       "One stream of micro-batches (use mbs_ext.StreamRing)")
       .def(

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "ring/core/clock.h"
+#include "ring/core/thread_name.h"
 
 namespace mbs::ring_core {
 
@@ -36,7 +37,10 @@ RingCore::RingCore(int slots, int64_t items, Produce produce)
   if (!produce_) throw std::invalid_argument("RingCore: produce callback is empty");
   state_.assign(static_cast<size_t>(slots), SlotState::kFree);
   slot_item_.assign(static_cast<size_t>(slots), -1);
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    name_this_thread(kProducerThreadName);
+    run();
+  });
 }
 
 RingCore::~RingCore() { stop(); }

@@ -1,5 +1,7 @@
 #include "ring/core/worker_pool.h"
 
+#include "ring/core/thread_name.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -10,7 +12,10 @@ WorkerPool::WorkerPool(int threads) {
   if (threads < 1) throw std::invalid_argument("WorkerPool: threads must be >= 1");
   workers_.reserve(static_cast<size_t>(threads - 1));
   try {
-    for (int i = 0; i + 1 < threads; ++i) workers_.emplace_back([this, i] { run(static_cast<size_t>(i)); });
+    for (int i = 0; i + 1 < threads; ++i) workers_.emplace_back([this, i] {
+      name_this_thread(kStagingThreadName);
+      run(static_cast<size_t>(i));
+    });
   } catch (...) {
     {
       std::lock_guard<std::mutex> lock(mu_);
