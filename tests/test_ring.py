@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mbs_ext import StreamRing
-from mbs_ext.diagnostics import native as _C
 from mbs_ext.diagnostics import RING_PRODUCER_THREAD, RING_STAGING_THREAD, os_threads
+from mbs_ext.diagnostics import native as _C
 
 CUDA = torch.cuda.is_available() and bool(_C.cuda_compiled)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of mbs_ext")
