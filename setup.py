@@ -159,7 +159,10 @@ def _extension():
     # Each directory is one subsystem; cuda/ directories only in a CUDA build, no_cuda/ only without.
     sources = ["csrc/module.cpp"] + cpp_sources("build_info", "ops", "ops/cpu", "ring", "ring/cpu", "ring/core")
     define_macros: list[tuple[str, str | None]] = []
-    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    # -g0: Python's own CFLAGS carry -g, and debug information for torch's headers doubles the
+    # compile time of every unit that includes them; MBS_EXT_DEBUG=1 keeps it.
+    debug = os.environ.get("MBS_EXT_DEBUG") == "1"
+    cxx_flags = ["-O3", "-g" if debug else "-g0", "-fvisibility=hidden"]
     extra_link: list[str] = []
     openmp = torch.backends.openmp.is_available()
     if openmp:

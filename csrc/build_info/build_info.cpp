@@ -1,6 +1,8 @@
 #include "build_info/build_info.h"
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
 
 namespace mbs {
 

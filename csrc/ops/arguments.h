@@ -11,7 +11,7 @@
 // accepted path allocates nothing.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <cstdint>

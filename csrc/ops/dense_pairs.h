@@ -3,7 +3,7 @@
 // element k of the grad are the same logical element.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <deque>

@@ -3,7 +3,7 @@
 // runs one directly for an eager call it has checked (ops/bindings.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace mbs {
 

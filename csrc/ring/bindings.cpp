@@ -2,6 +2,8 @@
 // worker thread never needs it, and the consumer may wait for data.
 #include "ring/bindings.h"
 
+#include <torch/csrc/utils/pybind.h>
+
 #include "ring/core/thread_name.h"
 #include "ring/stream_ring.h"
 

@@ -3,7 +3,7 @@
 // build links ring/no_cuda/ instead, which refuses CUDA rings).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Stream.h>
 
 #include <cstddef>

@@ -1,5 +1,6 @@
 #include "ring/host_buffer_pool.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>

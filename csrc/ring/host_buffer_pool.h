@@ -6,7 +6,7 @@
 // are kept, so the pool's memory is bounded by the ring's depth.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <memory>

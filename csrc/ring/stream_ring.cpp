@@ -1,5 +1,7 @@
 #include "ring/stream_ring.h"
 
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/index_select.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>

@@ -16,7 +16,7 @@
 // current stream.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <cstdint>

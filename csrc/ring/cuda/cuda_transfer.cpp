@@ -3,6 +3,8 @@
 // bytes), and device tensors allocated on the consumer's current stream, so the
 // caching allocator needs no record_stream. The copy stream waits on compute only
 // through events recorded on the consumer's stream when a copy is enqueued.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
