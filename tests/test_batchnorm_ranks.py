@@ -168,6 +168,24 @@ def _fsdp(rank):
     return state
 
 
+# Micro-batch sizes as a token plan cuts them (no row split gives 4, 1, 5), by rank.
+UNEVEN = ([4, 1, 5], [2, 2])
+
+
+def _agreement(rank):
+    """The agreement alone (mbs_ext.world.pairing): the global rows of micro-batch j are the
+    rows each rank's micro-batch j really holds; only rank 0's layers set ``local_from``."""
+    from mbs_ext.world.pairing import Pairing
+
+    out = {}
+    for name, local_from in (("threshold", 100 if rank == 0 else None), ("none", None)):
+        model = mbs_ext.convert_batchnorm(make_model(), across_ranks=True, local_from=local_from)
+        pairing = Pairing.of(list(model.modules()), dist.group.WORLD, WORLD, rank, weighs_after=True)
+        padded, total = pairing.agree(float(rank + 1), UNEVEN[rank], torch.device("cpu"))
+        out[name] = (padded, float(total), pairing.global_rows)
+    return out
+
+
 def _worker(rank):
     warnings.simplefilter("ignore", mbs_ext.BatchNormWarning)
     out = {name: _scenario(rank, name) for name in SCENARIOS}
@@ -176,6 +194,7 @@ def _worker(rank):
     out["sync"] = _sync_batchnorm(rank)
     out["fail_streaming"] = _failing(rank, "streaming")
     out["fail_checking"] = _failing(rank, "checking")
+    out["agreement"] = _agreement(rank)
     return out
 
 
@@ -326,6 +345,16 @@ def test_fully_sharded_equals_the_reference(results):
     reference_step(model, opt, chunks(3))
     for rank in range(WORLD):
         assert_close(results[rank]["fsdp"], model.state_dict())
+
+
+@pytest.mark.multiprocess
+def test_the_agreement_sums_the_rows_each_micro_batch_holds(results):
+    padded = max(len(s) for s in UNEVEN)
+    global_rows = [sum(s[j] for s in UNEVEN if j < len(s)) for j in range(padded)]
+    for rank in range(WORLD):
+        # One rank's threshold makes every rank sum the rows (none waits alone).
+        assert results[rank]["agreement"]["threshold"] == (padded, 3.0, global_rows)
+        assert results[rank]["agreement"]["none"] == (padded, 3.0, [])  # no threshold: not summed
 
 
 def test_one_process_runs_no_collective():

@@ -1,20 +1,13 @@
 #include "build_info/build_info.h"
 
-#include <pybind11/pybind11.h>
-
-#include <string>
-
 namespace mbs {
 
-void bind_build_info(pybind11::module_& m) {
+BuildInfo build_info() {
 #ifdef MBS_EXT_WITH_CUDA
-  m.attr("cuda_compiled") = true;
-  m.attr("cuda_archs") = compiled_cuda_archs();
+  return {true, compiled_cuda_archs(), static_cast<bool>(MBS_EXT_OPENMP)};
 #else
-  m.attr("cuda_compiled") = false;
-  m.attr("cuda_archs") = std::string();
+  return {false, std::string(), static_cast<bool>(MBS_EXT_OPENMP)};
 #endif
-  m.attr("openmp") = static_cast<bool>(MBS_EXT_OPENMP);
 }
 
 }  // namespace mbs

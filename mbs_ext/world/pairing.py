@@ -7,8 +7,9 @@ micro-batches, and micro-batch ``j`` of one rank must meet micro-batch ``j`` of 
 Where a model has such layers in training, the ranks agree before the first micro-batch,
 in one all-reduce, on:
 
-* how many micro-batches each runs, and its rows (so every rank knows the global row count
-  of each micro-batch: the threshold ``local_from`` compares with it, with no collective);
+* how many micro-batches each runs (and, where some rank's layers set ``local_from``, a second
+  all-reduce of the rows each micro-batch holds, by rows or by tokens alike, so every rank knows
+  the global row count of micro-batch ``j`` that the threshold compares with);
 * the global total of the counts (so each micro-batch's weight is exact from the start:
   the backward sums weigh the ranks by it);
 * whether each rank has the same layers switched on (a mismatch raises on every rank);
@@ -65,22 +66,24 @@ class Pairing:
         s = self.size
         mine = [0.0] * (3 * s)
         if failure is None:
-            mine[self.rank], mine[s + self.rank], mine[2 * s + self.rank] = len(sizes), sum(sizes), len(self.active)
+            thresholds = any(getattr(m, "local_from", None) is not None for m in self.active)
+            mine[self.rank], mine[s + self.rank], mine[2 * s + self.rank] = len(sizes), thresholds, len(self.active)
         values = all_reduce_sum([local_total, *mine, *failure_slots(s, self.rank, failure)], device, self.group)
         tail = values[1:].tolist()
         raise_failures(tail[3 * s :], s, self.rank)
         if failure is not None:
             return 0, values[0]
-        num, rows, active = ([int(v) for v in tail[i * s : (i + 1) * s]] for i in range(3))
+        num, thresholds_by_rank, active = ([int(v) for v in tail[i * s : (i + 1) * s]] for i in range(3))
         if len(set(active)) > 1:
             raise ValueError(
                 f"mbs_ext.step: the ranks have different numbers of BatchNorm layers taking statistics across "
                 f"ranks switched on ({active}, by rank): call mbs_ext.set_batchnorm_across_ranks (or convert_"
                 "batchnorm) on every rank alike, between steps")
-        # Every rank splits its rows as mbs_ext.streaming.ring.split_sizes does: the first rows % k get one more.
-        split = [[r // k + (j < r % k) for j in range(k)] if k else [] for k, r in zip(num, rows)]
         padded = max(num)
-        self.global_rows = [sum(p[j] for p in split if j < len(p)) for j in range(padded)]
+        self.global_rows = []
+        if any(thresholds_by_rank):  # decided from the shared slots: every rank joins this one or none does
+            own = [*sizes, *[0] * (padded - len(sizes))]
+            self.global_rows = [int(v) for v in all_reduce_sum(own, device, self.group).tolist()]
         return padded, values[0]
 
     def enter(self, index: int, zero_rows: bool = False) -> None:
