@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv with torch and mbs_ext (extension built in place, editable), fitted to the
 # machine: without a GPU the CPU build of torch==2.13.0 and a CPU-only extension (about 1.6 GB,
-# a few minutes); with a GPU (or when asked) torch==2.14.1, the CUDA 13 build, and the CUDA
+# about 3 minutes on 2 cores); with a GPU (or when asked) torch==2.14.1, the CUDA 13 build, and the CUDA
 # kernels (about 6 GB). It says which it chose and why; a later run given no MBS_* choice keeps
 # what the venv has. Idempotent: a second run with unchanged sources does nothing.
 #   MBS_EXT_CUDA=0|1  force a CPU-only extension / require the CUDA kernels (1 also picks the CUDA torch)
@@ -14,6 +14,10 @@ VENV="${MBS_VENV:-.venv}"
 CPU_TORCH="torch==2.13.0"
 CUDA_TORCH="torch==2.14.1"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# pip compiles every installed .py to bytecode (torch, transformers: tens of thousands of files,
+# most never imported); without it a fresh set-up is about a minute shorter, and Python compiles
+# what it imports on first use.
+NO_PYC=--no-compile
 
 # A GPU is one the NVIDIA driver lists: a CUDA toolkit or an nvidia-smi without a device is no GPU.
 gpu_listed() { command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; }
@@ -60,7 +64,7 @@ if [ ! -x "$VENV"/bin/python ]; then
     "$PY" -m pip install -q --user virtualenv
     "$PY" -m virtualenv -q "$VENV"
   fi
-  "$VENV"/bin/python -m pip install -q -U pip setuptools wheel ninja
+  "$VENV"/bin/python -m pip install $NO_PYC -q -U pip setuptools wheel ninja
 fi
 
 stamp="$VENV/.mbs_ext-build"
@@ -74,18 +78,18 @@ fi
 
 echo "[setup] installing $TORCH_REQ with $kernels: $why"
 # numpy first: torch imported without it (as the build does) warns that NumPy failed to initialize.
-long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install "$TORCH_REQ" numpy
+long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy
 if [ "$TORCH_REQ" = "$CPU_TORCH" ] && [ "$("$VENV"/bin/python -c 'import torch; print(torch.version.cuda)')" != None ]; then
   echo "[setup] note: pip found no CPU-only $CPU_TORCH wheel and installed the one with CUDA libraries; for the" \
        "smaller CPU wheel, rerun with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
 fi
-echo "[setup] building mbs_ext with $kernels (minutes: C++ against torch's headers), then the test and demo requirements"
+echo "[setup] building mbs_ext with $kernels (a minute or two: C++ against torch's headers), then the test and demo requirements"
 # setuptools' notice that an editable install may be shadowed by a folder named like the package:
 # here that folder is the package itself.
 PYTHONWARNINGS="ignore:Editable installation" \
   long "building mbs_ext, then the test and demo requirements" \
-  "$VENV"/bin/python -m pip install --no-build-isolation -e ".[test,demo]"
-long "installing pytest-benchmark and ruff" "$VENV"/bin/python -m pip install "pytest-benchmark>=4" ruff
+  "$VENV"/bin/python -m pip install $NO_PYC --no-build-isolation -e ".[test,demo]"
+long "installing pytest-benchmark and ruff" "$VENV"/bin/python -m pip install $NO_PYC "pytest-benchmark>=4" ruff
 echo "$want" > "$stamp"
 echo "$TORCH_REQ ${MBS_EXT_CUDA:-auto}" > "$choice"
 "$VENV"/bin/python -c "import mbs_ext; print('[setup] mbs_ext', mbs_ext.build_info())"
