@@ -246,3 +246,135 @@ def test_check_streamable_names_batchnorm_when_it_is_the_cause():
         mbs_ext.check_streamable(model, (torch.randn(32, D_IN, generator=g), torch.randn(32, 1, generator=g)),
                                  nn.MSELoss(), micro_batch_size=8)
     assert_bit_identical(snapshot(model), before)  # running statistics included
+
+
+# ---- across ranks: two gloo ranks vs one process on all their rows
+
+RANK_ROWS = (13, 8)  # rank 0 streams rows 0..12 of pairs(), rank 1 rows 13..20
+
+
+class Towers(TwoTower):
+    """TwoTower with a forward, so that DDP's own forward runs in both streamed passes."""
+
+    def forward(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query(q), self.doc(d)
+
+
+def encode_forward(model: nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return model(mb["q"], mb["d"])
+
+
+def info_nce_wrapped(model: nn.Module, encoded: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return info_nce(getattr(model, "module", model), encoded)
+
+
+RANKS_LOSS = mbs_ext.CachedLoss(encode_forward, info_nce_wrapped)
+
+
+def _rank_batch(rank: int, seed: int = 1) -> dict:
+    start = sum(RANK_ROWS[:rank])
+    return {k: v[start : start + RANK_ROWS[rank]] for k, v in pairs(seed=seed).items()}
+
+
+def _ranks_steps(rank: int, wrapper: str) -> dict:
+    import torch.distributed as dist
+
+    model = Towers(dropout=0.0)
+    stepped = nn.parallel.DistributedDataParallel(model) if wrapper == "ddp" else model
+    group = dist.group.WORLD if wrapper == "process_group" else None
+    opt = sgd(stepped)
+    losses = [mbs_ext.step(stepped, opt, _rank_batch(rank, seed), RANKS_LOSS, micro_batch_size=3,
+                           process_group=group).loss for seed in (1, 2)]
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _ranks_failure(rank: int, where: str) -> dict:
+    """Rank 1 fails in ``where``; then a step the ranks take together again."""
+    model = Towers()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = sgd(ddp)
+    mbs_ext.step(ddp, opt, _rank_batch(rank), RANKS_LOSS, micro_batch_size=3)  # momentum state exists
+    before = snapshot(model, opt)
+    calls = [0]
+
+    def bad_encode(mod, mb):
+        calls[0] += 1
+        if rank == 1 and where == "encode" and calls[0] == 2:
+            raise RuntimeError("injected in encode")
+        return encode_forward(mod, mb)
+
+    def bad_loss(mod, enc):
+        if rank == 1 and where == "loss":
+            raise RuntimeError("injected in loss")
+        return info_nce_wrapped(mod, enc)
+
+    try:
+        mbs_ext.step(ddp, opt, _rank_batch(rank, 5), mbs_ext.CachedLoss(bad_encode, bad_loss), micro_batch_size=3)
+        raised = None
+    except Exception as exc:
+        raised = (type(exc).__name__, str(exc))
+    unchanged = snapshot(model, opt)
+    try:
+        assert_bit_identical(unchanged, before)
+        same = True
+    except AssertionError:
+        same = False
+    mbs_ext.step(ddp, opt, _rank_batch(rank, 2), RANKS_LOSS, micro_batch_size=3)  # together again
+    return {"raised": raised, "unchanged": same}
+
+
+def _ranks_fsdp(rank: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Towers()
+    model.log_temperature = nn.Parameter(model.log_temperature.detach().reshape(1))  # FSDP2 takes no 0-dim one
+    mesh = init_device_mesh("cpu", (len(RANK_ROWS),))
+    fully_shard(model.query, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        mbs_ext.step(model, sgd(model), _rank_batch(rank), RANKS_LOSS, micro_batch_size=3)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _ranks_worker(rank: int) -> dict:
+    return {"ddp": _ranks_steps(rank, "ddp"), "process_group": _ranks_steps(rank, "process_group"),
+            "fail_encode": _ranks_failure(rank, "encode"), "fail_loss": _ranks_failure(rank, "loss"),
+            "fsdp": _ranks_fsdp(rank)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    from ddp_harness import run_world
+
+    return run_world(_ranks_worker, timeout=180)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("wrapper", ["ddp", "process_group"])
+def test_across_ranks_equals_one_process_on_all_rows(ranks, wrapper):
+    ref = Towers()
+    opt = sgd(ref)
+    want = [full_batch_step(ref, opt, pairs(seed=seed)) for seed in (1, 2)]
+    for rank in range(len(RANK_ROWS)):
+        got = ranks[rank][wrapper]
+        assert got["losses"] == pytest.approx(want, rel=1e-12)  # the negatives are every rank's rows
+        for name, p in ref.named_parameters():
+            assert rel_err(got["params"][name], p) <= 1e-12, (wrapper, rank, name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["encode", "loss"])
+def test_a_rank_failing_in_either_pass_makes_every_rank_raise_and_change_nothing(ranks, where):
+    own, peer = ranks[1][f"fail_{where}"], ranks[0][f"fail_{where}"]
+    assert own["raised"][0] == "RuntimeError" and f"injected in {where}" in own["raised"][1]
+    assert peer["raised"][0] == "PeerFailed" and "rank 1 raised" in peer["raised"][1]
+    assert own["unchanged"] and peer["unchanged"]
+
+
+@pytest.mark.multiprocess
+def test_fully_sharded_is_refused_before_anything_runs(ranks):
+    for rank in range(len(RANK_ROWS)):
+        assert "FSDP2" in ranks[rank]["fsdp"] and "DistributedDataParallel" in ranks[rank]["fsdp"]

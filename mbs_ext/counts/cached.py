@@ -33,11 +33,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from mbs_ext.counts.loss import autocast
+from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.memory.probe import probing
 from mbs_ext.step.model import check_grad_mode, model_device, trainable
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.ring import StreamRing
-from mbs_ext.world import world_of
+from mbs_ext.world import coupled, world_of
+from mbs_ext.world.one import World
+from mbs_ext.world.record import Failure, tell_others
 
 __all__ = ["CachedLoss", "forward"]
 
@@ -51,7 +54,9 @@ class CachedLoss:
     every micro-batch's rows concatenated in batch order and returns the 0-dim mini-batch
     loss. Pass it as ``loss_fn`` to :func:`mbs_ext.step`, :func:`mbs_ext.accumulate` or a
     :class:`mbs_ext.MicroBatchStreamer`; ``normalize`` does not apply (the loss sees the
-    whole mini-batch). One process only for now: under DDP or FSDP2 it is refused.
+    whole mini-batch). Under DDP (or ``process_group=``) ``loss`` gets every rank's rows, rank
+    0's first, and the step equals one process's full-batch step on all of them
+    (:mod:`mbs_ext.world.coupled`); FSDP2 is refused.
     """
 
     encode: Callable[[nn.Module, Any], Any]
@@ -141,11 +146,9 @@ class _Surrogate:
         return sum((t.to(dtype) for t in terms), first * sum(t.to(dtype) for t in once))
 
 
-def check_supported(model: nn.Module, options: Any) -> None:
+def check_supported(world: World, options: Any) -> None:
     """Refuse, before anything runs, what CachedLoss does not do yet."""
-    if world_of(model, trainable(model), options.process_group).group is not None:
-        raise ValueError("CachedLoss runs in one process only for now: under DDP or FSDP2 its loss would need every "
-                         "rank's encodings. Stream it on one process, or use a loss that adds up over rows")
+    coupled.check(world)
     if options.micro_batch_tokens is not None:
         raise ValueError("micro_batch_tokens is not supported by CachedLoss yet (its loss couples rows across "
                          "micro-batches of one width): pass micro_batch_size")
@@ -156,37 +159,64 @@ def check_supported(model: nn.Module, options: Any) -> None:
         raise ValueError("normalize does not apply to CachedLoss (its loss sees the whole mini-batch): leave it unset")
 
 
+def _shared(world: World, exc: BaseException, device: torch.device, step: Callable) -> None:
+    """A failed rank's part in the collective the others wait in (``step``), with a note."""
+    if world.group is None:
+        return
+    failure = Failure(-1, is_out_of_memory(exc))
+
+    def share() -> bool:
+        step(world, failure, device)
+        return False  # no back-off for CachedLoss's own passes
+
+    tell_others(exc, world.rank, share)
+
+
 def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     """One CachedLoss step (or accumulate) on ``streamer``'s model, optimizer and options."""
     cached: CachedLoss = streamer.loss_fn
     model, options = streamer.model, streamer.options
-    check_supported(model, options)
+    params = trainable(model)
+    world = world_of(model, params, options.process_group)
+    check_supported(world, options)
     check_grad_mode()
     device = model_device(model)
     info = _batch.check(batch, indices, device)
     if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
         batch, indices = _batch.take(batch, info.indices), None
     m = int(options.micro_batch_size)
-    params = trainable(model)
     with probing(model, device):
-        encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
+        coupled.begin(world)
+        try:
+            encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
+        except Exception as exc:
+            _shared(world, exc, device, lambda w, f, d: coupled.gather(w, [], f, d))
+            raise
         leaves, spec = pytree.tree_flatten(encoded)
-        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in leaves]
-        with autocast(device, options.autocast_dtype):
-            loss = cached.loss(model, pytree.tree_unflatten(leaves, spec))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"CachedLoss.loss must return a 0-dim tensor, got {getattr(loss, 'shape', type(loss))}")
-        wrt = [t for t in leaves if t.requires_grad] + params
-        got = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
+        leaves, offset = coupled.gather(world, leaves, None, device)
+        try:
+            leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in leaves]
+            with autocast(device, options.autocast_dtype):
+                loss = cached.loss(model, pytree.tree_unflatten(leaves, spec))
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                got_shape = getattr(loss, "shape", type(loss))
+                raise ValueError(f"CachedLoss.loss must return a 0-dim tensor, got {got_shape}")
+            wrt = [t for t in leaves if t.requires_grad] + params
+            got = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
+        except Exception as exc:
+            _shared(world, exc, device, coupled.confirm)
+            raise
+        coupled.confirm(world, None, device)
     enc_grads = iter(got[: len(wrt) - len(params)])
     grads = [next(enc_grads) if t.requires_grad else None for t in leaves]
     direct = [(p, g) for p, g in zip(params, got[len(wrt) - len(params):]) if g is not None]
     value = loss.detach()
     surrogate = _Surrogate(cached.encode, grads, spec, direct, value - value, device)
-    positions = torch.arange(info.rows)
+    # Positions in the gathered rows: only the rank holding row 0 (rank 0) adds the loss's own
+    # parameters' gradient, so it enters the sum over ranks once.
+    positions = torch.arange(info.rows) + offset
     child = type(streamer)(model, streamer.optimizer, surrogate,
                            options=dataclasses.replace(options, normalize="sum"))
     child.cache = streamer.cache
     result = child._run((batch, positions), None, stepping)
     return dataclasses.replace(result, loss=float(value))
-
