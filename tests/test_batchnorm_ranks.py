@@ -258,6 +258,13 @@ def reference_step(model, opt, groups):
             bn.num_batches_tracked.copy_(bn.num_batches_tracked - len(inputs) + 1)
 
 
+def reference_state(groups):
+    """The state of the model after one SGD reference step over ``groups``."""
+    model = make_model()
+    reference_step(model, optimizer("sgd", model), groups)
+    return model.state_dict()
+
+
 def reference(name):
     m, opt_kind, local_from, switches, evaluating, *track = SCENARIOS[name]
     model = make_model(track=track == [])
@@ -304,21 +311,16 @@ def test_running_statistics_are_the_same_on_every_rank(results):
 
 @pytest.mark.multiprocess
 def test_one_micro_batch_per_rank_is_the_full_batch_step(results):
-    model = make_model()
-    opt = optimizer("sgd", model)
-    reference_step(model, opt, [[(0, sum(ROWS))]])
-    assert_close(results[0]["m10_one_each"][0], model.state_dict())
+    assert_close(results[0]["m10_one_each"][0], reference_state([[(0, sum(ROWS))]]))
 
 
 @pytest.mark.multiprocess
 def test_sync_batchnorm_gets_the_same_semantics(results):
-    model = make_model()
-    opt = optimizer("sgd", model)
-    reference_step(model, opt, chunks(3))
+    want = reference_state(chunks(3))
     for rank in range(WORLD):
         state, cls = results[rank]["sync"]
         assert cls == "SyncBatchNorm"  # its own class again after the step
-        assert_close(state, model.state_dict())
+        assert_close(state, want)
 
 
 @pytest.mark.multiprocess
@@ -340,11 +342,9 @@ def test_ranks_whose_switches_differ_all_raise(results):
 
 @pytest.mark.multiprocess
 def test_fully_sharded_equals_the_reference(results):
-    model = make_model()
-    opt = optimizer("sgd", model)
-    reference_step(model, opt, chunks(3))
+    want = reference_state(chunks(3))
     for rank in range(WORLD):
-        assert_close(results[rank]["fsdp"], model.state_dict())
+        assert_close(results[rank]["fsdp"], want)
 
 
 @pytest.mark.multiprocess

@@ -169,25 +169,37 @@ def test_lengths_by_key_and_by_callable():
         mbs_ext.accumulate(model, batch, loss_fn, micro_batch_tokens=48, token_lengths=lambda b: b["keep"])
 
 
-def _ddp_worker(rank):
+def _ranks_worker(rank, wrapper):
     """Rank 0 takes the batch's first 13 rows, rank 1 the other 7: different lengths, different
-    numbers of token micro-batches. Returns the stepped parameters and the micro-batch count."""
+    numbers of token micro-batches, under DDP or FSDP2. Returns the stepped parameters (full
+    tensors) and the micro-batch count."""
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(TinyLM())
+    model = TinyLM()
+    if wrapper == "ddp":
+        stepped = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard(model.emb, mesh=mesh)
+        stepped = fully_shard(model, mesh=mesh)
     data = padded_batch(n=20)
     rows = slice(0, 13) if rank == 0 else slice(13, 20)
     mine = {k: v[rows] for k, v in data.items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    result = mbs_ext.step(model, opt, mine, tiny_loss, micro_batch_tokens=2 * WIDTH,
+    opt = torch.optim.SGD(stepped.parameters(), lr=0.5)
+    result = mbs_ext.step(stepped, opt, mine, tiny_loss, micro_batch_tokens=2 * WIDTH,
                           normalize=lambda b: (b["labels"] != -100).sum())
-    return [p.detach().clone() for p in model.module.parameters()], result.num_micro_batches
+    params = [getattr(p, "full_tensor", lambda p=p: p)().detach().clone() for p in model.parameters()]
+    return params, result.num_micro_batches
 
 
 @pytest.mark.multiprocess
-def test_ddp_ranks_with_different_token_micro_batches_equal_one_process():
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_ranks_with_different_token_micro_batches_equal_one_process(wrapper):
     from ddp_harness import run_world
 
-    out = run_world(_ddp_worker, timeout=120)
+    out = run_world(_ranks_worker, wrapper, timeout=120)
     assert out[0][1] != out[1][1]  # the ranks ran different numbers of micro-batches
     torch.manual_seed(0)
     ref = TinyLM()

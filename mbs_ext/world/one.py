@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from mbs_ext.step.grads import AutogradSink, BufferSink, accumulation_dtype, mak
 from mbs_ext.step.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.record import Record
+
+if TYPE_CHECKING:  # pairing.py builds on this module's worlds' hooks: named for types only
+    from mbs_ext.world.pairing import Pairing
 
 Sink = AutogradSink | BufferSink
 
@@ -79,7 +82,7 @@ class World:
     runs_every_micro_batch = False
     # The across-rank BatchNorm layers of the step and their turns (mbs_ext.world.pairing); one
     # process has none: such layers normalize its rows, with no collective.
-    pairing: Any = None
+    pairing: Pairing | None = None
 
     # ---- before the pass
     def pair(self, modules: list[nn.Module]) -> None:
