@@ -143,6 +143,21 @@ def test_one_step_equals_full_batch_step():
     assert abs(t_got.strategy.last_result.loss - loss_ref.item()) < TOL
 
 
+def test_token_micro_batches_equal_full_batch_step():
+    """micro_batch_tokens through the strategy: rows grouped by length and trimmed, same step."""
+    data = token_data()
+    ref, got = TokenModel(), TokenModel()
+    t_ref = fit(ref, data, 17)
+    strategy = StreamingStrategy(micro_batch_tokens=12, token_lengths=lambda b: b[1].sum(1).long(),
+                                 normalize=tokens)
+    t_got = fit(got, data, 17, strategy)
+    result = t_got.strategy.last_result
+    assert result.num_micro_batches > 1
+    assert max_diff(ref, got) < TOL
+    assert max_diff(ref, TokenModel()) > 1e-3  # the step moved the parameters
+    assert abs(result.loss - t_ref.callback_metrics["train_loss"].item()) < TOL
+
+
 def test_three_adamw_steps_with_scheduler_and_logger():
     data = regression_data(69)
     ref, got = Regressor(optimizer="adamw"), Regressor(optimizer="adamw")
