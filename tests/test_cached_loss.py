@@ -308,8 +308,10 @@ def _ranks_failure(rank: int, where: str) -> dict:
             raise RuntimeError("injected in loss")
         return info_nce_wrapped(mod, enc)
 
+    bad_rows = torch.tensor([0, 99]) if rank == 1 and where == "check" else None  # row 99: out of range
     try:
-        mbs_ext.step(ddp, opt, _rank_batch(rank, 5), mbs_ext.CachedLoss(bad_encode, bad_loss), micro_batch_size=3)
+        mbs_ext.step(ddp, opt, _rank_batch(rank, 5), mbs_ext.CachedLoss(bad_encode, bad_loss), micro_batch_size=3,
+                     indices=bad_rows)
         raised = None
     except Exception as exc:
         raised = (type(exc).__name__, str(exc))
@@ -341,7 +343,7 @@ def _ranks_fsdp(rank: int) -> str:
 
 def _ranks_worker(rank: int) -> dict:
     return {"ddp": _ranks_steps(rank, "ddp"), "process_group": _ranks_steps(rank, "process_group"),
-            "fail_encode": _ranks_failure(rank, "encode"), "fail_loss": _ranks_failure(rank, "loss"),
+            **{f"fail_{where}": _ranks_failure(rank, where) for where in ("check", "encode", "loss")},
             "fsdp": _ranks_fsdp(rank)}
 
 
@@ -366,10 +368,13 @@ def test_across_ranks_equals_one_process_on_all_rows(ranks, wrapper):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("where", ["encode", "loss"])
-def test_a_rank_failing_in_either_pass_makes_every_rank_raise_and_change_nothing(ranks, where):
+@pytest.mark.parametrize("where", ["check", "encode", "loss"])
+def test_a_rank_failing_anywhere_before_the_streamed_pass_makes_every_rank_raise_and_change_nothing(ranks, where):
     own, peer = ranks[1][f"fail_{where}"], ranks[0][f"fail_{where}"]
-    assert own["raised"][0] == "RuntimeError" and f"injected in {where}" in own["raised"][1]
+    if where == "check":
+        assert own["raised"][0] == "ValueError" and "found index 99" in own["raised"][1]
+    else:
+        assert own["raised"][0] == "RuntimeError" and f"injected in {where}" in own["raised"][1]
     assert peer["raised"][0] == "PeerFailed" and "rank 1 raised" in peer["raised"][1]
     assert own["unchanged"] and peer["unchanged"]
 

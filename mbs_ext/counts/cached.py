@@ -181,12 +181,16 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     check_supported(world, options)
     check_grad_mode()
     device = model_device(model)
-    info = _batch.check(batch, indices, device)
-    if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
-        batch, indices = _batch.take(batch, info.indices), None
+    try:
+        info = _batch.check(batch, indices, device)
+        if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
+            batch, indices = _batch.take(batch, info.indices), None
+    except Exception as exc:
+        _shared(world, exc, device, coupled.begin)
+        raise
     m = int(options.micro_batch_size)
     with probing(model, device):
-        coupled.begin(world)
+        coupled.begin(world, None, device)
         try:
             encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
         except Exception as exc:

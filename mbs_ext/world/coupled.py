@@ -2,7 +2,8 @@
 
 Its loss scores every row against every other one, so under DDP (or ``process_group=``) it
 must see every rank's encodings: the negatives are global, as a full-batch step on all ranks'
-rows would have them. After the no-grad pass each rank hands in its encodings; one small
+rows would have them. Before it, one all-reduce shares whether each rank's batch passed its
+checks (then rank 0's buffers go to every rank). After the no-grad pass each rank hands in its encodings; one small
 all-reduce shares the row counts, the encodings' shape and any failure of that pass (so a rank
 that failed never leaves the others waiting in a gather), then one all-gather per encoding leaf
 (padded to the most rows) gives every rank the same mini-batch, rank 0's rows first. The loss
@@ -32,10 +33,15 @@ def check(world: World) -> None:
                          "every rank): use DistributedDataParallel, process_group= for replicas, or one process")
 
 
-def begin(world: World) -> None:
-    """Before the no-grad pass: rank 0's buffers on every rank, as the streamed pass will have them
-    (and DDP's own broadcast off, which would run in whichever forward comes first)."""
-    if isinstance(world, Replicas):
+def begin(world: World, failure: Failure | None, device: torch.device) -> None:
+    """Before the no-grad pass: every rank raises where some rank's checks of its batch failed
+    (``failure``: this rank's), then rank 0's buffers on every rank, as the streamed pass will have
+    them (and DDP's own broadcast off, which would run in whichever forward comes first)."""
+    if world.group is None:
+        return
+    summed = all_reduce_sum(failure_slots(world.size, world.rank, failure), device, world.group).tolist()
+    raise_failures(summed, world.size, world.rank)
+    if failure is None and isinstance(world, Replicas):
         world.sync_buffers()
 
 
