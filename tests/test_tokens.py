@@ -107,6 +107,34 @@ def test_tiny_model_step_equals_full_batch(cap, use_indices):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("use_indices", [False, True])
+def test_an_error_names_the_rows_of_the_failing_micro_batch(use_indices):
+    """The note names rows by their numbers in the mini-batch (or the dataset), not by their
+    positions in the grouped order; the plan says which rows micro-batch 1 holds."""
+    data = padded_batch(n=20)
+    indices = torch.tensor([3, 0, 7, 7, 12, 19, 5, 1, 9, 14, 2]) if use_indices else None
+    lengths = data["attention_mask"].sum(1) if indices is None else data["attention_mask"][indices].sum(1)
+    plan = mbs_ext.plan_tokens(lengths, 2 * WIDTH, rows=indices)
+    want = plan.order[plan.sizes[0] : plan.sizes[0] + plan.sizes[1]].tolist()
+    seen = []
+
+    def failing(model, mb):
+        seen.append(mb["input_ids"].clone())
+        if len(seen) == 2:
+            raise RuntimeError("injected")
+        return tiny_loss(model, mb)
+
+    model = TinyLM()
+    with pytest.raises(RuntimeError, match="injected") as info:
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.5), data, failing, indices=indices,
+                     micro_batch_tokens=2 * WIDTH)
+    assert torch.equal(seen[1], data["input_ids"][want][:, : seen[1].shape[1]])  # the rows the loss really got
+    where = "the dataset" if use_indices else "the mini-batch"
+    listed = ", ".join(map(str, want[:8])) + (f", ... ({len(want)} rows)" if len(want) > 8 else "")
+    assert f"micro-batch 1 of {len(plan.sizes)} (rows {listed} of {where}, grouped by length)" in "\n".join(
+        info.value.__notes__)
+
+
 def test_micro_batches_are_trimmed_and_bounded():
     seen = []
 

@@ -28,7 +28,7 @@ from mbs_ext.step.options import StepOptions
 from mbs_ext.step.rollback import StepGuard
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing
-from mbs_ext.streaming.tokens import split
+from mbs_ext.streaming.tokens import Rows, Tokens, split
 from mbs_ext.world import PeerFailed, Phase, World
 
 
@@ -53,6 +53,7 @@ class Attempt:
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.cut: Rows | Tokens | None = None  # how this attempt's rows are split
         self.fb: ForwardBackward | None = None
         self.guard: StepGuard | None = None
         self.phase = Phase.CHECKING
@@ -63,7 +64,7 @@ class Attempt:
             ring: StreamRing, call: Call, m: int) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish (step where ``optimizer`` is given);
         on any error undo everything first."""
-        cut = split(call.batch, call.info, options, m)  # by rows, or by tokens: checked before anything changes
+        self.cut = cut = split(call.batch, call.info, options, m)  # by rows or tokens: checked before any change
         sizes = cut.sizes
         warn_split_statistics(model, call.normalizing, len(sizes))
         device, world = call.device, call.world
@@ -148,7 +149,6 @@ class Attempt:
         elif fb.rows is None:
             text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb}, while the ring made it"
         else:
-            of = "indices" if call.info.indices is not None else "the mini-batch"
-            text = (f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} "
-                    f"(rows [{fb.rows[0]}, {fb.rows[1]}) of {of})")
+            rows = self.cut.describe(fb.rows[0], fb.rows[1], call.info.indices is not None)
+            text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} ({rows})"
         return text + self.world.failure_note(exc, m)

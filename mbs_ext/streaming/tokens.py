@@ -129,6 +129,10 @@ class Rows:
     def stats(self, ring: StreamRing) -> dict:
         return ring.stats()
 
+    def describe(self, start: int, stop: int, indexed: bool) -> str:
+        """The rows of the micro-batch at positions ``[start, stop)``, for error notes."""
+        return f"rows [{start}, {stop}) of {'indices' if indexed else 'the mini-batch'}"
+
 
 class Tokens:
     """The token split: rows grouped by length, each micro-batch trimmed to its widest row."""
@@ -150,6 +154,13 @@ class Tokens:
 
     def stats(self, ring: StreamRing) -> dict:
         return dict(self._stats)
+
+    def describe(self, start: int, stop: int, indexed: bool, shown: int = 8) -> str:
+        """The rows of the micro-batch at positions ``[start, stop)`` of the grouped order, by their
+        numbers in the mini-batch (or, with ``indices``, in the dataset), for error notes."""
+        rows = self.plan.order[start:stop].tolist()
+        listed = ", ".join(map(str, rows[:shown])) + (f", ... ({len(rows)} rows)" if len(rows) > shown else "")
+        return f"rows {listed} of {'the dataset' if indexed else 'the mini-batch'}, grouped by length"
 
 
 def split(batch: Any, info: BatchInfo, options: StepOptions, m: int) -> Rows | Tokens:
