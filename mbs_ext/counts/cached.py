@@ -188,10 +188,25 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     except Exception as exc:
         _shared(world, exc, device, coupled.begin)
         raise
-    m = int(options.micro_batch_size)
+    surrogate, value, offset = _cache_gradients(cached, model, batch, options, params, world, device)
+    # Positions in the gathered rows: only the rank holding row 0 (rank 0) adds the loss's own
+    # parameters' gradient, so it enters the sum over ranks once.
+    positions = torch.arange(info.rows) + offset
+    child = type(streamer)(model, streamer.optimizer, surrogate,
+                           options=dataclasses.replace(options, normalize="sum"))
+    child.cache = streamer.cache
+    result = child._run((batch, positions), None, stepping)
+    return dataclasses.replace(result, loss=float(value))
+
+
+def _cache_gradients(cached: CachedLoss, model: nn.Module, batch: Any, options: Any, params: list[nn.Parameter],
+                     world: World, device: torch.device) -> tuple[_Surrogate, torch.Tensor, int]:
+    """Passes 1 and 2, leaving no trace: pass 3's loss, the mini-batch loss, and where this
+    rank's rows start in the rows every rank encoded."""
     with probing(model, device):
         coupled.begin(world, None, device)
         try:
+            m = int(options.micro_batch_size)
             encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
         except Exception as exc:
             _shared(world, exc, device, lambda w, f, d: coupled.gather(w, [], f, d))
@@ -215,12 +230,4 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     grads = [next(enc_grads) if t.requires_grad else None for t in leaves]
     direct = [(p, g) for p, g in zip(params, got[len(wrt) - len(params):]) if g is not None]
     value = loss.detach()
-    surrogate = _Surrogate(cached.encode, grads, spec, direct, value - value, device)
-    # Positions in the gathered rows: only the rank holding row 0 (rank 0) adds the loss's own
-    # parameters' gradient, so it enters the sum over ranks once.
-    positions = torch.arange(info.rows) + offset
-    child = type(streamer)(model, streamer.optimizer, surrogate,
-                           options=dataclasses.replace(options, normalize="sum"))
-    child.cache = streamer.cache
-    result = child._run((batch, positions), None, stepping)
-    return dataclasses.replace(result, loss=float(value))
+    return _Surrogate(cached.encode, grads, spec, direct, value - value, device), value, offset
