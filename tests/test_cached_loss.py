@@ -341,9 +341,35 @@ def _ranks_fsdp(rank: int) -> str:
     return ""
 
 
+def _ranks_mismatch(rank: int, kind: str) -> dict:
+    """Rank 1's encodings differ from rank 0's beyond their rows in ``kind``; then a step together."""
+    model = Towers()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = sgd(ddp)
+    before = snapshot(model, opt)
+
+    def odd_encode(mod, mb):
+        q, d = encode_forward(mod, mb)
+        if rank == 1:  # the same elements per row as rank 0's, so only the exact shapes tell them apart
+            d = d[:, :, None] if kind == "shape" else d.float()
+        return q, d
+
+    try:
+        mbs_ext.step(ddp, opt, _rank_batch(rank), mbs_ext.CachedLoss(odd_encode, info_nce_wrapped),
+                     micro_batch_size=3)
+        raised = None
+    except Exception as exc:
+        raised = (type(exc).__name__, str(exc))
+    unchanged = snapshot(model, opt)
+    assert_bit_identical(unchanged, before)
+    mbs_ext.step(ddp, opt, _rank_batch(rank, 2), RANKS_LOSS, micro_batch_size=3)  # together again
+    return {"raised": raised}
+
+
 def _ranks_worker(rank: int) -> dict:
     return {"ddp": _ranks_steps(rank, "ddp"), "process_group": _ranks_steps(rank, "process_group"),
             **{f"fail_{where}": _ranks_failure(rank, where) for where in ("check", "encode", "loss")},
+            **{f"mismatch_{kind}": _ranks_mismatch(rank, kind) for kind in ("shape", "dtype")},
             "fsdp": _ranks_fsdp(rank)}
 
 
@@ -377,6 +403,15 @@ def test_a_rank_failing_anywhere_before_the_streamed_pass_makes_every_rank_raise
         assert own["raised"][0] == "RuntimeError" and f"injected in {where}" in own["raised"][1]
     assert peer["raised"][0] == "PeerFailed" and "rank 1 raised" in peer["raised"][1]
     assert own["unchanged"] and peer["unchanged"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["shape", "dtype"])
+def test_encodings_that_differ_between_ranks_beyond_their_rows_are_refused_on_every_rank(ranks, kind):
+    for rank in range(len(RANK_ROWS)):
+        name, message = ranks[rank][f"mismatch_{kind}"]["raised"]
+        assert name == "ValueError" and "differ in structure, dtype or shape beyond their rows" in message
+        assert ("(5, 1)" in message) if kind == "shape" else ("torch.float32" in message)
 
 
 @pytest.mark.multiprocess

@@ -190,7 +190,7 @@ def test_ddp_fault_on_one_rank_stops_every_rank(ddp_results, name):
         else:
             error = outcome.get("error", "")
             # Rank 0 (6 rows, 2 micro-batches) names its own bad micro-batch; rank 1 points at it.
-            where = "at micro-batch 0 of 2 (rows [0, 3)" if rank == 0 else "on another DDP rank"
+            where = "at micro-batch 0 of 2 (rows [0, 3) of the mini-batch)" if rank == 0 else "on another DDP rank"
             assert "non-negative finite number" in error and where in error, (rank, outcome)
         assert outcome["unchanged"], (rank, outcome)
 

@@ -156,7 +156,7 @@ def test_nonfinite_loss_warning_points_at_the_caller_and_names_the_micro_batch(d
         result = mbs_ext.step(model, opt, (x, y), ce, micro_batch_size=4)
     (w,) = [c for c in caught if "non-finite" in str(c.message)]
     assert w.filename == __file__ and w.lineno == line, (w.filename, w.lineno)
-    assert "non-finite loss at micro-batch 2 of 3 (rows [7, 10))" in str(w.message)
+    assert "non-finite loss at micro-batch 2 of 3 (rows [7, 10) of the mini-batch)" in str(w.message)
     assert result.skipped
     assert_bit_identical(snapshot(model, opt), before)
 

@@ -135,6 +135,27 @@ def test_an_error_names_the_rows_of_the_failing_micro_batch(use_indices):
         info.value.__notes__)
 
 
+def test_a_non_finite_loss_names_the_rows_of_its_micro_batch():
+    """The non-finite check of the finish names rows as the error note does: by their numbers."""
+    data = padded_batch(n=20)
+    plan = mbs_ext.plan_tokens(data["attention_mask"].sum(1), 2 * WIDTH)
+    want = plan.order[plan.sizes[0] : plan.sizes[0] + plan.sizes[1]].tolist()
+    calls = []
+
+    def nan_second(model, mb):
+        calls.append(1)
+        loss = tiny_loss(model, mb)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    model = TinyLM()
+    with pytest.raises(FloatingPointError) as info:
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.5), data, nan_second,
+                     micro_batch_tokens=2 * WIDTH, on_nonfinite="raise")
+    listed = ", ".join(map(str, want[:8])) + (f", ... ({len(want)} rows)" if len(want) > 8 else "")
+    assert f"non-finite loss at micro-batch 1 of {len(plan.sizes)} (rows {listed} of the mini-batch, grouped" in str(
+        info.value)
+
+
 def test_micro_batches_are_trimmed_and_bounded():
     seen = []
 

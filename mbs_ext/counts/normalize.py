@@ -66,6 +66,9 @@ class Normalizer:
         self.counts: list[Count] = []
         self.losses: list[tuple[int, torch.Tensor, Count]] = []  # (index, detached loss, count)
         self.rows_of: list[tuple[int, int]] = []
+        # How messages name the rows at positions [start, stop): the split's own words (the step
+        # sets them; under a token split positions are not row numbers).
+        self.describe_rows: Callable[[int, int], str] = lambda start, stop: f"rows [{start}, {stop})"
         self.loss_sum: torch.Tensor | None = None  # set by settle (global across ranks)
         self.counted: list[tuple[torch.Tensor, Count]] = []  # one process, host counts: read one by one
         self.total: Count | None = None  # the global D, once settled
@@ -167,8 +170,7 @@ class Normalizer:
 
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
-        start, stop = self.rows_of[k]
-        return f"micro-batch {k} of {self.num_mb} (rows [{start}, {stop}))"
+        return f"micro-batch {k} of {self.num_mb} ({self.describe_rows(*self.rows_of[k])})"
 
 
 def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:

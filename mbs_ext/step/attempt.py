@@ -11,6 +11,7 @@ the world before out-of-memory back-off (:mod:`~mbs_ext.memory.backoff`) decides
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class Attempt:
             self.phase = Phase.SYNCING_BUFFERS
             sink = world.start(call.params, device, options.accumulate_dtype)
             normalizer = world.normalizer(call.rule, call.batch, cut.info, sizes, device)
+            normalizer.describe_rows = functools.partial(cut.describe, indexed=call.info.indices is not None)
             self.phase = Phase.AGREEING
             padded = world.agree(normalizer, sizes, device)
             self.phase = Phase.STREAMING

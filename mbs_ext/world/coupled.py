@@ -4,8 +4,9 @@ Its loss scores every row against every other one, so under DDP (or ``process_gr
 must see every rank's encodings: the negatives are global, as a full-batch step on all ranks'
 rows would have them. Before it, one all-reduce shares whether each rank's batch passed its
 checks (then rank 0's buffers go to every rank). After the no-grad pass each rank hands in its encodings; one small
-all-reduce shares the row counts, the encodings' shape and any failure of that pass (so a rank
-that failed never leaves the others waiting in a gather), then one all-gather per encoding leaf
+all-reduce shares the row counts and any failure of that pass (so a rank that failed never
+leaves the others waiting in a gather), one object all-gather the leaves' row shapes and dtypes
+(which must agree), then one all-gather per encoding leaf
 (padded to the most rows) gives every rank the same mini-batch, rank 0's rows first. The loss
 then runs on every rank alike, and each back-propagates its own rows' slice of the encoding
 gradients: the step's sum over ranks is the full-batch gradient. FSDP2 is refused: its
@@ -14,8 +15,6 @@ full tensors on every rank.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -53,20 +52,20 @@ def gather(world: World, leaves: list[torch.Tensor], failure: Failure | None,
     if world.group is None:
         return leaves, 0
     s, rank = world.size, world.rank
-    rows, leaf_count, widths = [0.0] * s, [0.0] * s, [0.0] * s
+    rows = [0.0] * s
     if failure is None:
         rows[rank] = float(leaves[0].shape[0]) if leaves else 0.0
-        leaf_count[rank] = float(len(leaves))
-        widths[rank] = float(sum((i + 1) * math.prod(t.shape[1:]) for i, t in enumerate(leaves)))
-    summed = all_reduce_sum([*rows, *leaf_count, *widths, *failure_slots(s, rank, failure)], device,
-                            world.group).tolist()
-    raise_failures(summed[3 * s :], s, rank)
+    summed = all_reduce_sum([*rows, *failure_slots(s, rank, failure)], device, world.group).tolist()
+    raise_failures(summed[s:], s, rank)
     if failure is not None:
         return [], 0
-    if len(set(summed[s : 2 * s])) > 1 or len(set(summed[2 * s : 3 * s])) > 1:
-        raise ValueError("CachedLoss: the ranks' encodings differ in structure or in shape beyond their rows "
-                         f"(leaves by rank: {[int(v) for v in summed[s:2 * s]]}); encode must return the same "
-                         "structure and row shape on every rank")
+    # Each leaf's row shape and dtype, exactly: the all-gathers below need them alike on every rank.
+    layouts: list[object] = [None] * s
+    dist.all_gather_object(layouts, [(tuple(t.shape[1:]), str(t.dtype)) for t in leaves], group=world.group)
+    if any(layout != layouts[0] for layout in layouts):
+        raise ValueError("CachedLoss: the ranks' encodings differ in structure, dtype or shape beyond their rows "
+                         f"(row shape and dtype of each leaf, by rank: {layouts}); encode must return the same "
+                         "structure, dtypes and row shapes on every rank")
     counts = [int(v) for v in summed[:s]]
     most = max(counts)
     out = []
