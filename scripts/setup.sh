@@ -64,7 +64,6 @@ if [ ! -x "$VENV"/bin/python ]; then
     "$PY" -m pip install -q --user virtualenv
     "$PY" -m virtualenv -q "$VENV"
   fi
-  "$VENV"/bin/python -m pip install $NO_PYC -q -U pip setuptools wheel ninja
 fi
 
 stamp="$VENV/.mbs_ext-build"
@@ -77,19 +76,49 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && ls mbs_ext/_C*.so > /de
 fi
 
 echo "[setup] installing $TORCH_REQ with $kernels: $why"
-# numpy first: torch imported without it (as the build does) warns that NumPy failed to initialize.
-long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy
+# numpy with it: torch imported without it (as the build does) warns that NumPy failed to initialize.
+# The venv's own pip builds the extension (no self-upgrade: any pip >= 21.3 takes an editable install).
+long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy "setuptools>=77" wheel ninja
 if [ "$TORCH_REQ" = "$CPU_TORCH" ] && [ "$("$VENV"/bin/python -c 'import torch; print(torch.version.cuda)')" != None ]; then
   echo "[setup] note: pip found no CPU-only $CPU_TORCH wheel and installed the one with CUDA libraries; for the" \
        "smaller CPU wheel, rerun with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
 fi
-echo "[setup] building mbs_ext with $kernels (a minute or two: C++ against torch's headers), then the test and demo requirements"
+
+# The compiler keeps both cores busy for a minute or more while pip would wait for it: the test
+# and demo requirements (the extras in pyproject.toml, read by the venv's Python) install beside it.
+extras="$("$VENV"/bin/python - <<'PY'
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pip's own copy of the same parser
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+print("\n".join(dict.fromkeys(extras["test"] + extras["demo"])))
+PY
+)"
+build_log="$VENV/.mbs_ext-build.log"
+echo "[setup] building mbs_ext with $kernels (a minute or two: C++ against torch's headers; log: $build_log)," \
+     "and beside it installing the test and demo requirements"
 # setuptools' notice that an editable install may be shadowed by a folder named like the package:
 # here that folder is the package itself.
+# Its own process group (setsid), so that a set-up stopped early stops the compiler too.
 PYTHONWARNINGS="ignore:Editable installation" \
-  long "building mbs_ext, then the test and demo requirements" \
-  "$VENV"/bin/python -m pip install $NO_PYC --no-build-isolation -e ".[test,demo]"
-long "installing pytest-benchmark and ruff" "$VENV"/bin/python -m pip install $NO_PYC "pytest-benchmark>=4" ruff
+  setsid "$VENV"/bin/python -m pip install $NO_PYC --no-build-isolation --no-deps -e . > "$build_log" 2>&1 &
+builder=$!
+trap '[ -z "$builder" ] || kill -- -"$builder" 2> /dev/null || true' EXIT
+mapfile -t extra_reqs <<< "$extras"
+if ! long "installing the test and demo requirements" \
+    "$VENV"/bin/python -m pip install $NO_PYC "${extra_reqs[@]}" "pytest-benchmark>=4" ruff; then
+  wait "$builder" || true
+  exit 1
+fi
+if ! long "building mbs_ext" wait "$builder"; then
+  builder=
+  tail -n 40 "$build_log"
+  echo "[setup] building mbs_ext failed: the whole log is $build_log" >&2
+  exit 1
+fi
+builder=
 echo "$want" > "$stamp"
 echo "$TORCH_REQ ${MBS_EXT_CUDA:-auto}" > "$choice"
 "$VENV"/bin/python -c "import mbs_ext; print('[setup] mbs_ext', mbs_ext.build_info())"

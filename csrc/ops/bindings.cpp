@@ -1,7 +1,7 @@
 // mbs_ext._C._scale_accumulate: the Python face's one crossing into C++ per call.
 //
-// It reads the Python arguments without copying a tensor (lists or tuples of tensors, a
-// number or tensor scale, found_inf or None), checks them with the op's one check layer
+// It reads the Python arguments (lists or tuples of tensors, a number or tensor scale,
+// found_inf or None) through pybind11's caster for torch tensors, checks them with the op's one check layer
 // (ops/arguments.h), and for a plain eager call runs the kernel of the tensors' device
 // (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
 // fault, and mbs_ext/ops.py raises it. What it leaves to Python it says by returning None.
@@ -9,9 +9,12 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <torch/csrc/autograd/python_variable.h>
+// Not torch/csrc/autograd/python_variable.h: it brings in autograd's headers, 18 s of a
+// 26 s compile; the caster's load and cast are torch's own exported functions.
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
@@ -45,41 +48,41 @@ struct Seen {
   }
 };
 
-const at::Tensor* as_tensor(PyObject* obj) { return THPVariable_Check(obj) ? &THPVariable_Unpack(obj) : nullptr; }
+// The tensor of a torch.Tensor (or subclass) object, a reference of its own; nullopt for
+// anything else.
+std::optional<at::Tensor> as_tensor(PyObject* obj) {
+  py::detail::make_caster<at::Tensor> caster;
+  if (!caster.load(obj, false)) return std::nullopt;
+  return py::detail::cast_op<at::Tensor&&>(std::move(caster));
+}
 
-// The elements of a list or tuple as tensors that borrow (copying an at::Tensor of a Python
-// tensor costs a reference to its Python object, under the GIL), kept alive by a tuple of the
-// items: the list may change while the kernel runs without the GIL. A non-tensor becomes an
-// undefined tensor, the first one named.
-class BorrowedTensors {
+// The elements of a list or tuple as tensors, each a reference of its own (an atomic count,
+// no Python object), so the kernel may run without the GIL while the list changes. A
+// non-tensor becomes an undefined tensor, the first one named.
+class Tensors {
  public:
-  BorrowedTensors(PyObject* seq, NotTensor& not_tensor, Seen& seen)
-      : items_(py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq))) {
-    const Py_ssize_t n = PyTuple_GET_SIZE(items_.ptr());
+  Tensors(PyObject* seq, NotTensor& not_tensor, Seen& seen) {
+    // A tuple of the items: a subclass's isinstance check may run Python code that changes the list.
+    const auto items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq));
+    if (!items) throw py::error_already_set();
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
     tensors_.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = PyTuple_GET_ITEM(items_.ptr(), i);
-      if (const at::Tensor* t = as_tensor(item)) {
+      PyObject* item = PyTuple_GET_ITEM(items.ptr(), i);
+      std::optional<at::Tensor> t = as_tensor(item);
+      if (t) {
         seen.add(*t);
-        tensors_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(*t));
+        tensors_.push_back(std::move(*t));
       } else {
         if (not_tensor.type_name == nullptr) not_tensor = {static_cast<size_t>(i), Py_TYPE(item)->tp_name};
         tensors_.emplace_back();
       }
     }
   }
-  ~BorrowedTensors() {
-    for (at::Tensor& t : tensors_) {
-      if (t.defined()) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
-    }
-  }
-  BorrowedTensors(const BorrowedTensors&) = delete;
-  BorrowedTensors& operator=(const BorrowedTensors&) = delete;
 
   at::TensorList list() const { return tensors_; }
 
  private:
-  py::tuple items_;
   std::vector<at::Tensor> tensors_;
 };
 
@@ -133,12 +136,13 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   if (!sequences || (run && dispatcher_needed())) return py::none();
   Seen seen;
   Arguments args;
-  const BorrowedTensors accs(accumulators.ptr(), args.accumulators_not_tensor, seen);
-  const BorrowedTensors grad_list(grads.ptr(), args.grads_not_tensor, seen);
+  const Tensors accs(accumulators.ptr(), args.accumulators_not_tensor, seen);
+  const Tensors grad_list(grads.ptr(), args.grads_not_tensor, seen);
   args.accumulators = accs.list();
   args.grads = grad_list.list();
 
-  Scale scale_arg{as_tensor(scale.ptr()), 0.0};
+  const std::optional<at::Tensor> scale_tensor = as_tensor(scale.ptr());
+  Scale scale_arg{scale_tensor ? &*scale_tensor : nullptr, 0.0};
   if (scale_arg.tensor != nullptr) {
     seen.add(*scale_arg.tensor);
     const at::ScalarType dtype = scale_arg.tensor->scalar_type();
@@ -149,9 +153,10 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   } else {
     return py::none();  // other numbers and types: ops.py converts or refuses them
   }
-  if (const at::Tensor* t = as_tensor(found_inf.ptr())) {  // alive: an argument of this call
-    seen.add(*t);
-    args.found_inf = t;
+  const std::optional<at::Tensor> found_inf_tensor = as_tensor(found_inf.ptr());
+  if (found_inf_tensor) {
+    seen.add(*found_inf_tensor);
+    args.found_inf = &*found_inf_tensor;
   } else if (!found_inf.is_none()) {
     args.found_inf_not_tensor = Py_TYPE(found_inf.ptr())->tp_name;
   }
@@ -166,7 +171,7 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   bump_versions(args.accumulators);
   if (args.found_inf != nullptr) {
     bump_versions(*args.found_inf);
-    const py::gil_scoped_release no_gil;  // the tuples above keep the lists' tensors alive
+    const py::gil_scoped_release no_gil;  // accs and grad_list hold the lists' tensors
     kernel(args.accumulators, args.grads, scale_arg, *args.found_inf, device);
     return py::reinterpret_borrow<py::object>(found_inf);
   }
@@ -175,7 +180,7 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
     const py::gil_scoped_release no_gil;
     kernel(args.accumulators, args.grads, scale_arg, flag, device);
   }
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(flag)));
+  return py::cast(std::move(flag));
 }
 
 }  // namespace
