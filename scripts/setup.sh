@@ -79,7 +79,10 @@ echo "[setup] installing $TORCH_REQ with $kernels: $why"
 # numpy with it: torch imported without it (as the build does) warns that NumPy failed to initialize.
 # The venv's own pip builds the extension (no self-upgrade: any pip >= 21.3 takes an editable install).
 long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy "setuptools>=77" wheel ninja
-if [ "$TORCH_REQ" = "$CPU_TORCH" ] && [ "$("$VENV"/bin/python -c 'import torch; print(torch.version.cuda)')" != None ]; then
+# The wheel's own metadata says whether it brought CUDA libraries: importing torch here would
+# compile its bytecode on the critical path (the build does that beside the requirements).
+cuda_wheel='import importlib.metadata as m; print(any(r.startswith("nvidia") for r in m.requires("torch") or []))'
+if [ "$TORCH_REQ" = "$CPU_TORCH" ] && [ "$("$VENV"/bin/python -c "$cuda_wheel")" = True ]; then
   echo "[setup] note: pip found no CPU-only $CPU_TORCH wheel and installed the one with CUDA libraries; for the" \
        "smaller CPU wheel, rerun with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
 fi
