@@ -64,6 +64,8 @@ if [ ! -x "$VENV"/bin/python ]; then
     "$PY" -m pip install -q --user virtualenv
     "$PY" -m virtualenv -q "$VENV"
   fi
+  # A current pip first: it unpacks torch in a third of the time the pip of Python 3.11's venv takes.
+  "$VENV"/bin/python -m pip install $NO_PYC -q -U pip "setuptools>=77" wheel ninja
 fi
 
 stamp="$VENV/.mbs_ext-build"
@@ -77,8 +79,7 @@ fi
 
 echo "[setup] installing $TORCH_REQ with $kernels: $why"
 # numpy with it: torch imported without it (as the build does) warns that NumPy failed to initialize.
-# The venv's own pip builds the extension (no self-upgrade: any pip >= 21.3 takes an editable install).
-long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy "setuptools>=77" wheel ninja
+long "installing $TORCH_REQ" "$VENV"/bin/python -m pip install $NO_PYC "$TORCH_REQ" numpy
 # The wheel's own metadata says whether it brought CUDA libraries: importing torch here would
 # compile its bytecode on the critical path (the build does that beside the requirements).
 cuda_wheel='import importlib.metadata as m; print(any(r.startswith("nvidia") for r in m.requires("torch") or []))'
