@@ -6,6 +6,7 @@ than the budget) refused before anything changes."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -154,6 +155,64 @@ def test_a_non_finite_loss_names_the_rows_of_its_micro_batch():
     listed = ", ".join(map(str, want[:8])) + (f", ... ({len(want)} rows)" if len(want) > 8 else "")
     assert f"non-finite loss at micro-batch 1 of {len(plan.sizes)} (rows {listed} of the mini-batch, grouped" in str(
         info.value)
+
+
+class TokenLimitLM(TinyLM):
+    """Raises a real torch.OutOfMemoryError where a micro-batch holds more than ``limit`` token
+    positions (rows x width), as a device would."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.shapes = limit, []
+
+    def forward(self, input_ids, attention_mask, labels):
+        self.shapes.append(tuple(input_ids.shape))
+        if input_ids.numel() > self.limit:
+            raise torch.OutOfMemoryError(f"injected: {input_ids.numel()} token positions > {self.limit}")
+        return super().forward(input_ids, attention_mask, labels)
+
+
+def test_out_of_memory_shrinks_the_token_budget_and_stays_exact():
+    """Back-off bisects micro_batch_tokens (not rows): probes run the plan's heaviest trimmed
+    micro-batch; the step is redone at the budget found, equal to the full batch, and later
+    steps start there."""
+    model = TokenLimitLM(limit=2 * WIDTH)
+    ref = copy.deepcopy(model)
+    ref.limit = 10**9
+    data = padded_batch(n=20)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    loss = tiny_loss(ref, data)
+    loss.backward()
+    ref_opt.step()
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, tiny_loss, micro_batch_tokens=6 * WIDTH,
+                                          normalize=lambda b: (b["labels"] != -100).sum())
+    with pytest.warns(RuntimeWarning, match=r"out of memory at micro_batch_tokens=144; redoing the step with "
+                                            r"micro_batch_tokens=(\d+)") as caught:
+        result = streamer.step(data)
+    found = int(str(caught[0].message).rsplit("=", 1)[1])
+    assert WIDTH <= found < 6 * WIDTH
+    redo = model.shapes[-result.num_micro_batches:]
+    assert all(rows * width <= min(found, 2 * WIDTH) for rows, width in redo), redo
+    assert result.loss == pytest.approx(loss.item(), rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    model.shapes.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the budget found is remembered: no second out-of-memory
+        again = streamer.step(data)
+    assert again.num_micro_batches == result.num_micro_batches
+    assert all(rows * width <= found for rows, width in model.shapes)
+
+
+def test_a_budget_that_no_longest_row_fits_raises_the_error_with_a_note():
+    model = TokenLimitLM(limit=WIDTH - 1)  # the full row (WIDTH tokens) never fits
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.5), padded_batch(n=20), tiny_loss,
+                     micro_batch_tokens=4 * WIDTH)
+    assert "found no token budget that fits, not even one that holds the longest row" in "\n".join(
+        info.value.__notes__)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 def test_micro_batches_are_trimmed_and_bounded():

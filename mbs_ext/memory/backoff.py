@@ -55,10 +55,11 @@ def with_backoff(
     remember: Callable[[int], None],
     out_of_memory: Callable[[BaseException], bool] = is_out_of_memory,
     agree: Callable[[int | None], int | None] | None = None,
+    unit: str = "micro_batch_size",
 ) -> R:
     """``attempt(size)``; on an error that ``out_of_memory`` says a smaller size may cure and
     ``retryable`` allows, probe for the largest size that fits and redo it there (``remember``
-    keeps that size for later).
+    keeps that size for later). ``unit`` names the size in messages (:mod:`mbs_ext.memory.axis`).
 
     ``agree`` (several ranks) turns this rank's finding into the one size every rank uses (None:
     every rank raises). Every rank must take the same path, so with it ``out_of_memory`` and
@@ -75,11 +76,11 @@ def with_backoff(
         except BaseException as exc:
             if not out_of_memory(exc) or not retryable(exc) or (size == 1 and agree is None):
                 raise
-            smaller = _smaller(exc, size, fits_at, free, agree)
+            smaller = _smaller(exc, size, fits_at, free, agree, unit)
             del exc
             warnings.warn(
-                f"mbs_ext.step: out of memory at micro_batch_size={size}; "
-                f"redoing the step with micro_batch_size={smaller}{' on every rank' if agree else ''}",
+                f"mbs_ext.step: out of memory at {unit}={size}; "
+                f"redoing the step with {unit}={smaller}{' on every rank' if agree else ''}",
                 RuntimeWarning,
                 stacklevel=caller_stacklevel(),
             )
@@ -88,7 +89,7 @@ def with_backoff(
 
 
 def _smaller(exc: BaseException, size: int, fits_at: Callable[[int], bool], free: Callable[[], None],
-             agree: Callable[[int | None], int | None] | None) -> int:
+             agree: Callable[[int | None], int | None] | None, unit: str) -> int:
     """The size to redo at after ``exc`` at ``size``; raises ``exc`` (noted) where none fits. The
     failed attempt's frames are dropped first: the probes need the memory they hold."""
     origin = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
@@ -97,8 +98,10 @@ def _smaller(exc: BaseException, size: int, fits_at: Callable[[int], bool], free
     probe = _Probe(fits_at)
     smaller = _found(probe, size, agree)
     if smaller is None:
-        add_note(exc, "mbs_ext.step: out-of-memory back-off found no micro-batch size that fits, not "
-                      f"even 1 row{' on some rank' if agree else ''}.{probe.failure} Where the error was "
+        rows = unit == "micro_batch_size"
+        what, least = ("micro-batch size", "1 row") if rows else ("token budget", "one that holds the longest row")
+        add_note(exc, f"mbs_ext.step: out-of-memory back-off found no {what} that fits, not even "
+                      f"{least}{' on some rank' if agree else ''}.{probe.failure} Where the error was "
                       "raised (its frames were freed for the probes):\n" + origin.rstrip())
         raise exc from None
     return smaller

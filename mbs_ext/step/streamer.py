@@ -33,7 +33,8 @@ from torch import nn
 
 from mbs_ext.counts import cached as _cached_loss
 from mbs_ext.counts import loss as _loss
-from mbs_ext.memory import backoff, probe
+from mbs_ext.memory import backoff
+from mbs_ext.memory.axis import axis
 from mbs_ext.step import model as _model
 from mbs_ext.step.attempt import Attempt, Call
 from mbs_ext.step.batchnorm import deferring
@@ -129,14 +130,14 @@ class MicroBatchStreamer:
                 size, key = self.cache.size_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 # Probes run on the module the world names (under DDP: no collectives).
                 probed, agree = binding.world.backoff(self.model, binding.device)
+                shrunk = axis(probed, call, self.options, size, key, self.cache.size_cap,
+                              lambda options, m: attempt.run(self.model, optimizer, options,
+                                                             self.cache.ring_for(binding.device), call, m))
                 result = backoff.with_backoff(
-                    lambda m: attempt.run(self.model, optimizer, self.options, self.cache.ring_for(binding.device),
-                                          call, m),
-                    size, remember=lambda smaller: self.cache.size_cap.__setitem__(key, smaller),
-                    retryable=attempt.retryable, out_of_memory=attempt.out_of_memory,
-                    fits_at=lambda m: probe.fits(probed, call.batch, call.info.indices, m, call.device,
-                                                 call.loss_call, self.options.autocast_dtype),
-                    free=lambda: probe.release_cached_memory(call.device), agree=agree,
+                    shrunk.attempt, shrunk.start, unit=shrunk.unit,
+                    remember=lambda smaller: self.cache.size_cap.__setitem__(shrunk.key, smaller),
+                    retryable=attempt.retryable, out_of_memory=attempt.out_of_memory, fits_at=shrunk.fits_at,
+                    free=shrunk.free, agree=agree,
                 )
         except Exception as exc:
             attempt.share_failure(exc, binding.params, binding.device, self.options.accumulate_dtype)

@@ -155,6 +155,16 @@ class Tokens:
     def stats(self, ring: StreamRing) -> dict:
         return dict(self._stats)
 
+    def heaviest(self, batch: Any, device: torch.device) -> tuple[Any, int]:
+        """The micro-batch of the most token positions (rows x width), trimmed, on ``device``, and
+        its rows: what out-of-memory back-off probes at this budget (:mod:`mbs_ext.memory.axis`)."""
+        plan = self.plan
+        k = max(range(len(plan.sizes)), key=lambda j: plan.sizes[j] * plan.widths[j])
+        start, stop = sum(plan.sizes[:k]), sum(plan.sizes[: k + 1])
+        one = TokenPlan(plan.order[start:stop], [plan.sizes[k]], [plan.widths[k]], plan.lengths[start:stop])
+        stats = {"stage_s": 0.0, "micro_batches": 0, "bytes": 0}
+        return next(TokenStream(batch, one, self.width, device, stats)), plan.sizes[k]
+
     def describe(self, start: int, stop: int, indexed: bool, shown: int = 8) -> str:
         """The rows of the micro-batch at positions ``[start, stop)`` of the grouped order, by their
         numbers in the mini-batch (or, with ``indices``, in the dataset), for error notes."""
