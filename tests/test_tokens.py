@@ -76,8 +76,11 @@ def test_plan_groups_rows_within_the_budget():
 
 def test_options():
     assert mbs_ext.StepOptions(micro_batch_tokens=64).micro_batch_size is None
-    with pytest.raises(ValueError, match="'auto' is not supported yet"):
-        mbs_ext.StepOptions(micro_batch_tokens="auto")
+    assert mbs_ext.StepOptions(micro_batch_tokens="auto").micro_batch_tokens == "auto"
+    with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 1, 'auto' or None, got 'max'"):
+        mbs_ext.StepOptions(micro_batch_tokens="max")
+    with pytest.raises(TypeError, match="micro_batch_tokens must be an int >= 1, 'auto' or None, got float"):
+        mbs_ext.StepOptions(micro_batch_tokens=64.0)
     with pytest.raises(ValueError, match="micro_batch_size is a cap on rows"):
         mbs_ext.StepOptions(micro_batch_size="auto", micro_batch_tokens=64)
     with pytest.raises(TypeError, match="micro_batch_size is required"):
@@ -202,6 +205,36 @@ def test_out_of_memory_shrinks_the_token_budget_and_stays_exact():
         again = streamer.step(data)
     assert again.num_micro_batches == result.num_micro_batches
     assert all(rows * width <= found for rows, width in model.shapes)
+
+
+def test_auto_plans_a_token_budget_from_the_memory_budget_and_stays_exact():
+    """micro_batch_tokens="auto" plans rows of the longest length into memory_budget: a larger
+    budget plans more tokens, every micro-batch keeps to what was planned, and the step equals
+    the full batch; a budget that holds nothing is refused naming memory_budget."""
+    data = padded_batch(n=40)
+    longest = int(data["attention_mask"].sum(1).max())
+    planned = {}
+    for budget in (100_000, 400_000):
+        model = TokenLimitLM(limit=10**9)  # records the shapes it is given
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+        loss = tiny_loss(ref, data)
+        loss.backward()
+        ref_opt.step()
+        result = mbs_ext.step(model, opt, data, tiny_loss, micro_batch_tokens="auto", memory_budget=budget,
+                              normalize=lambda b: (b["labels"] != -100).sum())
+        planned[budget] = result.micro_batch_tokens
+        assert isinstance(planned[budget], int) and planned[budget] >= longest
+        streamed = model.shapes[-result.num_micro_batches:]
+        assert all(rows * width <= planned[budget] for rows, width in streamed), streamed
+        assert result.loss == pytest.approx(loss.item(), rel=1e-12)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert planned[400_000] > planned[100_000]
+    model = TinyLM()
+    with pytest.raises(ValueError, match="memory_budget=1000 bytes is too small"):
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.5), data, tiny_loss, micro_batch_tokens="auto",
+                     memory_budget=1000)
 
 
 def test_a_budget_that_no_longest_row_fits_raises_the_error_with_a_note():

@@ -40,6 +40,7 @@ from mbs_ext.step.grads import accumulation_dtype, buffer_layout
 from mbs_ext.step.model import check_grad_mode, check_model, model_device, trainable
 from mbs_ext.step.options import check_memory_budget
 from mbs_ext.streaming import batch as _batch
+from mbs_ext.streaming.tokens import longest_first
 
 CUDA_SAFETY_FACTOR = 0.92  # share of the room on the device "auto" plans for by default
 # On the CPU, budgets from this size up are judged by the process's peak resident set
@@ -111,8 +112,8 @@ def default_budget(device: torch.device, memory_budget: int | None) -> int:
         )
         return int(room * CUDA_SAFETY_FACTOR)
     raise ValueError(
-        f"micro_batch_size='auto' on {device.type} needs memory_budget (bytes available to the step); "
-        "only CUDA devices report their free memory"
+        f"'auto' (micro_batch_size or micro_batch_tokens) on {device.type} needs memory_budget (bytes available "
+        "to the step); only CUDA devices report their free memory"
     )
 
 
@@ -173,6 +174,23 @@ def plan(
         _saved_intercept=intercept, meter=meter, probes=tuple(int(n) for n in probes),
         verified=tuple((int(n), int(b)) for n, b in verified.items()),
     )
+
+
+def plan_token_budget(model: nn.Module, batch: Any, call: Callable[[nn.Module, Any], torch.Tensor],
+                      memory_budget: int, *, info: _batch.BatchInfo, token_lengths: Any,
+                      accumulate_dtype: torch.dtype | None = None,
+                      autocast_dtype: torch.dtype | None = None) -> tuple[int, MicroBatchPlan]:
+    """``micro_batch_tokens="auto"``: rows of the longest length, as many as :func:`plan` fits in
+    ``memory_budget``, times that length; and the row plan behind it.
+
+    Memory follows token positions (rows x width). The plan's widest micro-batch holds rows of
+    the longest length; its others are narrower with more rows, which costs at most as much per
+    position (attention costs less per position in shorter rows). The probes run the batch's
+    longest rows, trimmed as the step streams them."""
+    rows, longest = longest_first(batch, info, token_lengths)
+    planned = plan(model, rows, call, memory_budget, num_rows=info.rows, accumulate_dtype=accumulate_dtype,
+                   autocast_dtype=autocast_dtype)
+    return planned.micro_batch_size * longest, planned
 
 
 def _first_guess(meter: str, budget: int, fixed: int, per_sample: int, num_rows: int) -> int:

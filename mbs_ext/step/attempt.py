@@ -107,6 +107,7 @@ class Attempt:
         return StepResult(
             loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=max(sizes), num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
+            micro_batch_tokens=options.micro_batch_tokens,
         )
 
     def share_failure(self, exc: Exception, params: list[nn.Parameter], device: torch.device,

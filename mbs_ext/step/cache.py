@@ -6,6 +6,7 @@ ring, the ``"auto"`` plans and the sizes learned from out-of-memory back-off.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from mbs_ext.step import model as _model
 from mbs_ext.step.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing
+from mbs_ext.streaming.tokens import row_lengths
 from mbs_ext.world import World, world_of
 
 Plans = dict[tuple, planner.MicroBatchPlan]  # "auto" plans, per input signature
@@ -39,6 +41,7 @@ class StepCache:
     ring: StreamRing | None = None
     plans: Plans = field(default_factory=dict)
     size_cap: dict[tuple, int] = field(default_factory=dict)  # learned from out-of-memory back-off
+    token_budgets: dict[tuple, int] = field(default_factory=dict)  # micro_batch_tokens="auto", by signature
     binding: Binding | None = None  # of the latest step
 
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, process_group: Any,
@@ -94,3 +97,22 @@ class StepCache:
                 self.plans[key] = plan
             m = plan.micro_batch_size
         return max(1, min(m, self.size_cap.get(key, m), info.rows)), key
+
+    def tokens_for(self, model: nn.Module, opts: StepOptions, batch: Any, info: BatchInfo, binding: Binding,
+                   loss_call: Any) -> StepOptions:
+        """``opts`` with the token budget to cut by: the caller's, or for ``"auto"`` the one planned
+        for this input signature and budget (planned again where a batch's longest row would not
+        fit the budget planned before: its micro-batch of one row was never measured)."""
+        if not isinstance(opts.micro_batch_tokens, str):
+            return opts
+        key = ("auto", info.signature, opts.memory_budget, opts.autocast_dtype)
+        budget = self.token_budgets.get(key)
+        if budget is None or int(row_lengths(batch, info, opts.token_lengths)[0].max()) > budget:
+            budget, _ = planner.plan_token_budget(
+                model, batch, loss_call, planner.default_budget(binding.device, opts.memory_budget), info=info,
+                token_lengths=opts.token_lengths,
+                accumulate_dtype=binding.world.buffer_dtype(opts.accumulate_dtype, binding.params),
+                autocast_dtype=opts.autocast_dtype,
+            )
+            self.token_budgets[key] = budget
+        return dataclasses.replace(opts, micro_batch_tokens=budget)

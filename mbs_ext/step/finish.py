@@ -29,7 +29,8 @@ class StepResult:
 
     ``loss`` is the full mini-batch loss (the global one under DDP); ``grad_norm`` is
     the total norm of the unscaled gradient before clipping, or None when not clipping;
-    ``micro_batch_size`` is the largest micro-batch actually streamed. ``timings`` are
+    ``micro_batch_size`` is the largest micro-batch actually streamed, ``micro_batch_tokens``
+    the token budget it was cut by (planned, or lowered by back-off; None: cut by rows). ``timings`` are
     host wall-clock seconds: ``stage_s`` and ``wait_s`` from the ring, ``compute_s``
     the micro-batches' forward/backward launches, ``step_s`` the finish and the
     optimizer step, ``total_s`` the whole call (out-of-memory back-off included).
@@ -42,6 +43,7 @@ class StepResult:
     skipped: bool = False
     grad_norm: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    micro_batch_tokens: int | None = None
 
 
 @dataclass(frozen=True)

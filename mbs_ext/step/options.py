@@ -63,7 +63,9 @@ class StepOptions:
       row (every tensor leaf whose dim 1 is the padded width: ids, masks, labels, position
       ids). ``micro_batch_size`` (an int) then caps the rows, or is left out. The batch
       must be right-padded; left padding, labels that are not -100 at padding positions and
-      a row longer than the budget are refused before anything runs.
+      a row longer than the budget are refused before anything runs. ``"auto"``: the largest
+      budget whose micro-batch of the longest rows fits ``memory_budget``, planned (as
+      ``micro_batch_size="auto"`` plans rows) at the first step and cached per input signature.
     * ``token_lengths``: where row lengths come from with ``micro_batch_tokens``: None (the
       batch's ``"attention_mask"`` leaf), the dict key of another 0/1 mask, or a callable
       ``lengths(batch)`` returning a 1-d integer tensor, one length per row.
@@ -79,7 +81,7 @@ class StepOptions:
     memory_budget: int | None = None
     fsdp_accumulate: str = "sharded"
     process_group: Any = None
-    micro_batch_tokens: int | None = None
+    micro_batch_tokens: int | str | None = None
     token_lengths: str | Callable[[Any], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -165,12 +167,12 @@ def _check_tokens(tokens: Any, lengths: Any, micro_batch_size: Any) -> None:
         if lengths is not None:
             raise ValueError("token_lengths is read only with micro_batch_tokens: pass micro_batch_tokens=T too")
         return
-    if tokens == "auto":
-        raise ValueError("micro_batch_tokens='auto' is not supported yet: pass a number of tokens (rows x padded "
-                         "width) that fits, e.g. the micro_batch_size that fits at full width times that width")
-    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
-        raise TypeError(f"micro_batch_tokens must be an int >= 1 or None, got {type(tokens).__name__}")
-    if tokens < 1:
+    if isinstance(tokens, str):  # "auto": planned from memory_budget at the first step (memory/planner.py)
+        if tokens != "auto":
+            raise ValueError(f"micro_batch_tokens must be an int >= 1, 'auto' or None, got {tokens!r}")
+    elif isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+        raise TypeError(f"micro_batch_tokens must be an int >= 1, 'auto' or None, got {type(tokens).__name__}")
+    elif tokens < 1:
         raise ValueError(f"micro_batch_tokens must be an int >= 1, got {tokens}")
     if micro_batch_size == "auto":
         raise ValueError("micro_batch_tokens bounds the micro-batches itself: with it, micro_batch_size is a cap on "

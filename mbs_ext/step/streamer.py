@@ -130,7 +130,8 @@ class MicroBatchStreamer:
                 size, key = self.cache.size_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 # Probes run on the module the world names (under DDP: no collectives).
                 probed, agree = binding.world.backoff(self.model, binding.device)
-                shrunk = axis(probed, call, self.options, size, key, self.cache.size_cap,
+                options = self.cache.tokens_for(self.model, self.options, batch, call.info, binding, call.loss_call)
+                shrunk = axis(probed, call, options, size, key, self.cache.size_cap,
                               lambda options, m: attempt.run(self.model, optimizer, options,
                                                              self.cache.ring_for(binding.device), call, m))
                 result = backoff.with_backoff(

@@ -173,6 +173,19 @@ class Tokens:
         return f"rows {listed} of {'the dataset' if indexed else 'the mini-batch'}, grouped by length"
 
 
+def longest_first(batch: Any, info: BatchInfo, token_lengths: Any) -> tuple[Any, int]:
+    """The step's rows (at ``indices`` where given) longest first, trimmed to the longest, on the
+    host, and that width: what ``micro_batch_tokens="auto"`` plans rows of (the first rows of
+    any micro-batch the plan makes are at most this wide)."""
+    lengths, width = row_lengths(batch, info, token_lengths)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    rows = order if info.indices is None else info.indices.index_select(0, order)
+    longest = max(1, int(lengths.max()))
+    one = TokenPlan(rows, [len(rows)], [longest], lengths[order])
+    stats = {"stage_s": 0.0, "micro_batches": 0, "bytes": 0}
+    return next(TokenStream(batch, one, width, torch.device("cpu"), stats)), longest
+
+
 def split(batch: Any, info: BatchInfo, options: StepOptions, m: int) -> Rows | Tokens:
     """How this step's rows are split: by tokens where ``micro_batch_tokens`` is set."""
     return Rows(info, m) if options.micro_batch_tokens is None else Tokens(batch, info, options, m)
