@@ -115,9 +115,10 @@ class StreamingTrainer(Trainer):
     ``micro_batch_size``: rows per micro-batch (an int, or ``"auto"`` with
     ``options=StepOptions(..., memory_budget=...)``), or a cap on rows beside
     ``micro_batch_tokens`` (rows grouped by length and trimmed, at most that many tokens counting
-    padding per micro-batch: docs/tokens.md), which may stand alone. ``normalize``: what each micro-batch's
-    loss averages over; ``None`` (default) counts the label tokens the model's loss scores
-    (see :func:`label_token_count`); otherwise any :class:`mbs_ext.StepOptions` ``normalize``.
+    padding per micro-batch, or ``"auto"`` from ``memory_budget``: docs/tokens.md), which may
+    stand alone. ``normalize``: what each micro-batch's loss averages over; ``None`` (default)
+    counts the label tokens the model's loss scores (see :func:`label_token_count`); otherwise any
+    :class:`mbs_ext.StepOptions` ``normalize``.
     ``options``: further :class:`mbs_ext.StepOptions` fields (``accumulate_dtype``,
     ``autocast_dtype``...). ``max_grad_norm`` and ``scaler`` belong to the Trainer
     (``TrainingArguments.max_grad_norm``; the Accelerator's GradScaler under fp16).
@@ -130,7 +131,7 @@ class StreamingTrainer(Trainer):
         micro_batch_size: int | str | None = None,
         normalize: Any = None,
         options: StepOptions | None = None,
-        micro_batch_tokens: int | None = None,
+        micro_batch_tokens: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
