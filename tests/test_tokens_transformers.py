@@ -136,3 +136,21 @@ def test_streaming_trainer_by_tokens(tmp_path):
     assert ours.last_stream_result.num_micro_batches > 2
     for p, q in zip(ours.model.parameters(), ref.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
+
+
+def test_the_tokens_example_takes_the_row_splits_step():
+    """examples/tokens_example.py runs as a user would run it, and its two steps agree."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "tokens_example.py")], capture_output=True,
+                         text=True, timeout=300, cwd=root, check=True,
+                         env=mbs_ext.diagnostics.child_env(threads=2)).stdout
+    rows, tokens = (float(x) for x in re.findall(r"loss (\d+\.\d+)", out))
+    assert tokens == pytest.approx(rows, rel=1e-5), out
+    assert float(re.search(r"weights after the step: (\S+)", out).group(1)) < 1e-5, out
+    streamed = [int(x) for x in re.findall(r"(\d+) positions streamed", out)]
+    assert streamed[1] < streamed[0] / 4, out
