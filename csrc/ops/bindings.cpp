@@ -1,9 +1,9 @@
 // mbs_ext._C._scale_accumulate: the Python face's one crossing into C++ per call.
 //
 // It reads the Python arguments (lists or tuples of tensors, a number or tensor scale,
-// found_inf or None) through pybind11's caster for torch tensors, checks them with the op's one check layer
-// (ops/arguments.h), and for a plain eager call runs the kernel of the tensors' device
-// (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
+// found_inf or None) through torch's pybind11 caster for tensors, checks them with the op's
+// one check layer (ops/arguments.h), and for a plain eager call runs the kernel of the
+// tensors' device (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
 // fault, and mbs_ext/ops.py raises it. What it leaves to Python it says by returning None.
 #include "ops/bindings.h"
 
