@@ -418,3 +418,26 @@ def test_encodings_that_differ_between_ranks_beyond_their_rows_are_refused_on_ev
 def test_fully_sharded_is_refused_before_anything_runs(ranks):
     for rank in range(len(RANK_ROWS)):
         assert "FSDP2" in ranks[rank]["fsdp"] and "DistributedDataParallel" in ranks[rank]["fsdp"]
+
+
+@pytest.mark.slow
+def test_the_clip_example_takes_the_full_batch_step_and_plain_streaming_does_not(tmp_path):
+    """examples/clip_example.py runs as a user would run it: CachedLoss reports the full batch's
+    loss and stays on its weights; plain streaming reports a smaller loss and drifts."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "clip_example.py"), "--steps", "3", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root, check=True,
+                         env=mbs_ext.diagnostics.child_env(threads=2)).stdout
+    reported = {name: float(v) for name, v in re.findall(r"^(\w[\w ]*?)\s+loss the last step reported: (\S+)$", out,
+                                                           re.MULTILINE)}
+    assert reported["CachedLoss"] == pytest.approx(reported["full batch"], rel=1e-12), out
+    assert reported["plain streaming"] < 0.8 * reported["full batch"], out
+    gaps = re.search(r"CachedLoss (\S+), plain streaming (\S+)$", out, re.MULTILINE).groups()
+    cached, plain = (float(v) for v in gaps)
+    assert cached < 1e-12 and plain > 1e-4, out
+    assert (tmp_path / "clip_example.png").stat().st_size > 10_000
