@@ -82,6 +82,27 @@ def test_step_equals_the_full_batch_step(m):
     assert model.log_temperature.grad is not None  # the loss's own parameter, counted once
 
 
+def test_auto_plans_the_micro_batch_from_the_memory_budget_and_stays_exact():
+    """micro_batch_size="auto" plans pass 3 into memory_budget less the cached encodings and their
+    gradients: a larger budget plans larger micro-batches, each step is the full batch's, and a
+    budget the encodings alone exceed is refused naming memory_budget."""
+    planned = {}
+    for budget in (9_000, 12_000, 10**6):
+        model, ref = TwoTower(), TwoTower()
+        opt, ref_opt = sgd(model), sgd(ref)
+        r = mbs_ext.step(model, opt, pairs(), LOSS, micro_batch_size="auto", memory_budget=budget)
+        assert r.loss == pytest.approx(full_batch_step(ref, ref_opt, pairs()), rel=1e-12)
+        assert_same_grads_and_params(model, ref)
+        planned[budget] = r.micro_batch_size
+    assert planned[9_000] < planned[12_000] < planned[10**6] == N
+    model = TwoTower()
+    with pytest.raises(ValueError, match="memory_budget=2000 bytes is too small for CachedLoss"):
+        mbs_ext.step(model, sgd(model), pairs(), LOSS, micro_batch_size="auto", memory_budget=2_000)
+    with pytest.raises(ValueError, match="is too small") as info:
+        mbs_ext.step(model, sgd(model), pairs(), LOSS, micro_batch_size="auto", memory_budget=6_000)
+    assert "memory_budget=6000 less about" in "\n".join(info.value.__notes__)
+
+
 def test_plain_streaming_of_the_same_loss_is_what_cached_loss_fixes():
     """The per-micro-batch InfoNCE (each micro-batch its own negatives) is far from the
     full batch: the reason CachedLoss exists, and proof this comparison can fail."""
@@ -166,7 +187,7 @@ def test_a_non_finite_mini_batch_loss_follows_the_non_finite_policy():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"micro_batch_size": "auto", "memory_budget": 2**30}, "'auto' is not planned for CachedLoss"),
+    ({"micro_batch_tokens": 64}, "micro_batch_tokens is not supported by CachedLoss"),
     ({"micro_batch_size": 4, "normalize": "samples"}, "normalize does not apply to CachedLoss"),
 ])
 def test_what_cached_loss_does_not_do_is_refused_before_anything_runs(kwargs, match):

@@ -33,8 +33,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from mbs_ext.counts.loss import autocast
+from mbs_ext.memory import planner
 from mbs_ext.memory.backoff import is_out_of_memory
-from mbs_ext.memory.probe import probing
+from mbs_ext.memory.probe import probe_batch, probing
+from mbs_ext.messages import add_note
 from mbs_ext.step.model import check_grad_mode, model_device, trainable
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.ring import StreamRing
@@ -152,9 +154,6 @@ def check_supported(world: World, options: Any) -> None:
     if options.micro_batch_tokens is not None:
         raise ValueError("micro_batch_tokens is not supported by CachedLoss yet (its loss couples rows across "
                          "micro-batches of one width): pass micro_batch_size")
-    if options.micro_batch_size == "auto":
-        raise ValueError("micro_batch_size='auto' is not planned for CachedLoss yet (its two passes and the "
-                         "cached encodings): pass an int")
     if options.normalize is not None:
         raise ValueError("normalize does not apply to CachedLoss (its loss sees the whole mini-batch): leave it unset")
 
@@ -185,6 +184,9 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
         info = _batch.check(batch, indices, device)
         if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
             batch, indices = _batch.take(batch, info.indices), None
+        if options.micro_batch_size == "auto":
+            options = dataclasses.replace(options, micro_batch_size=_planned(cached, model, batch, options, info,
+                                                                              world, params, streamer.cache.plans))
     except Exception as exc:
         _shared(world, exc, device, coupled.begin)
         raise
@@ -197,6 +199,41 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     child.cache = streamer.cache
     result = child._run((batch, positions), None, stepping)
     return dataclasses.replace(result, loss=float(value))
+
+
+def _planned(cached: CachedLoss, model: nn.Module, batch: Any, options: Any, info: _batch.BatchInfo,
+             world: World, params: list[nn.Parameter], plans: dict) -> int:
+    """``micro_batch_size="auto"``: the rows whose pass 3 (``encode`` forward and backward, as in
+    pass 1 plus autograd's share) fits ``memory_budget`` less what stays resident through it: the
+    encodings of every row (of every rank) and their gradients. Cached per input signature and
+    budget. What the loss itself needs on all the encodings (pass 2) does not shrink with the
+    micro-batch and is not planned."""
+    key = ("CachedLoss", info.signature, options.memory_budget, options.autocast_dtype, world.size)
+    plan = plans.get(key)
+    if plan is None:
+        device = model_device(model)
+        budget = planner.default_budget(device, options.memory_budget)
+        with probing(model, device), torch.no_grad(), autocast(device, options.autocast_dtype):
+            one = pytree.tree_leaves(cached.encode(model, probe_batch(batch, 1, None, device)))
+        resident = 2 * sum(t.numel() * t.element_size() for t in one) * info.rows * max(world.size, 1)
+        if resident >= budget:
+            raise ValueError(f"memory_budget={budget} bytes is too small for CachedLoss: the encodings of the "
+                             f"mini-batch and their gradients alone take about {resident} bytes")
+
+        def encode_and_back(mod: nn.Module, mb: Any) -> torch.Tensor:
+            return sum(t.float().sum() for t in pytree.tree_leaves(cached.encode(mod, mb)) if t.is_floating_point())
+
+        try:
+            plan = plans[key] = planner.plan(
+                model, batch, encode_and_back, budget - resident, num_rows=info.rows,
+                accumulate_dtype=world.buffer_dtype(options.accumulate_dtype, params),
+                autocast_dtype=options.autocast_dtype,
+            )
+        except ValueError as exc:
+            add_note(exc, f"CachedLoss: that is memory_budget={budget} less about {resident} bytes for the "
+                          "encodings of the mini-batch and their gradients")
+            raise
+    return plan.micro_batch_size
 
 
 def _cache_gradients(cached: CachedLoss, model: nn.Module, batch: Any, options: Any, params: list[nn.Parameter],
