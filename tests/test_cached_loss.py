@@ -103,6 +103,24 @@ def test_auto_plans_the_micro_batch_from_the_memory_budget_and_stays_exact():
     assert "memory_budget=6000 less about" in "\n".join(info.value.__notes__)
 
 
+def test_out_of_memory_in_the_streamed_pass_backs_off_and_stays_exact():
+    """Pass 3 (with grad) runs out of memory above 3 rows, pass 1 (no grad) does not: the step's
+    back-off redoes pass 3 at the largest size that fits, and the step is the full batch's."""
+    def tight_encode(model, mb):
+        if torch.is_grad_enabled() and len(mb["q"]) > 3:
+            raise torch.OutOfMemoryError(f"injected: {len(mb['q'])} rows with grad > 3")
+        return encode(model, mb)
+
+    model, ref = TwoTower(), TwoTower()
+    opt, ref_opt = sgd(model), sgd(ref)
+    with pytest.warns(RuntimeWarning, match="out of memory at micro_batch_size=8; redoing the step with "
+                                            "micro_batch_size=3"):
+        r = mbs_ext.step(model, opt, pairs(), mbs_ext.CachedLoss(tight_encode, info_nce), micro_batch_size=8)
+    assert r.micro_batch_size == 3
+    assert r.loss == pytest.approx(full_batch_step(ref, ref_opt, pairs()), rel=1e-12)
+    assert_same_grads_and_params(model, ref)
+
+
 def test_plain_streaming_of_the_same_loss_is_what_cached_loss_fixes():
     """The per-micro-batch InfoNCE (each micro-batch its own negatives) is far from the
     full batch: the reason CachedLoss exists, and proof this comparison can fail."""
