@@ -24,29 +24,30 @@ from mbs_ext.streaming.tokens import Tokens
 @dataclasses.dataclass(frozen=True)
 class Axis:
     """One size for :func:`~mbs_ext.memory.backoff.with_backoff`: the option it names, where it
-    starts, the step at a size, the probe at a size, the cache key it is remembered under, and
-    what frees the device's cached memory before the probes."""
+    starts, the step at a size, the probe at a size, what keeps the size found for later steps,
+    and what frees the device's cached memory before the probes."""
 
     unit: str
     start: int
     attempt: Callable[[int], Any]
     fits_at: Callable[[int], bool]
-    key: tuple
+    remember: Callable[[int], None]
     free: Callable[[], None]
 
 
 def axis(probed: nn.Module, call: Any, options: StepOptions, m: int, key: tuple, learned: dict[tuple, int],
          run: Callable[[StepOptions, int], Any]) -> Axis:
     """The axis of this step (``call``: its checked inputs, ``m``: its rows per micro-batch, or
-    their cap under tokens; ``learned``: the sizes back-off found before; ``run(options, m)``:
-    the step itself)."""
+    their cap under tokens, ``key``: under which ``learned`` keeps the sizes back-off found
+    (``m`` is capped by them already); ``run(options, m)``: the step itself)."""
     def free() -> None:
         probe.release_cached_memory(call.device)
 
     if options.micro_batch_tokens is None:
         return Axis("micro_batch_size", m, lambda size: run(options, size),
                     lambda size: probe.fits(probed, call.batch, call.info.indices, size, call.device,
-                                            call.loss_call, options.autocast_dtype), key, free)
+                                            call.loss_call, options.autocast_dtype),
+                    lambda size: learned.__setitem__(key, size), free)
     token_key = ("micro_batch_tokens", *key)
 
     def at(tokens: int) -> StepOptions:
@@ -61,4 +62,5 @@ def axis(probed: nn.Module, call: Any, options: StepOptions, m: int, key: tuple,
         return probe.fits(probed, micro_batch, None, rows, call.device, call.loss_call, options.autocast_dtype)
 
     start = min(options.micro_batch_tokens, learned.get(token_key, options.micro_batch_tokens))
-    return Axis("micro_batch_tokens", start, lambda tokens: run(at(tokens), m), fits_at, token_key, free)
+    return Axis("micro_batch_tokens", start, lambda tokens: run(at(tokens), m), fits_at,
+                lambda tokens: learned.__setitem__(token_key, tokens), free)

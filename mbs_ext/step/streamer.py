@@ -135,8 +135,7 @@ class MicroBatchStreamer:
                               lambda options, m: attempt.run(self.model, optimizer, options,
                                                              self.cache.ring_for(binding.device), call, m))
                 result = backoff.with_backoff(
-                    shrunk.attempt, shrunk.start, unit=shrunk.unit,
-                    remember=lambda smaller: self.cache.size_cap.__setitem__(shrunk.key, smaller),
+                    shrunk.attempt, shrunk.start, unit=shrunk.unit, remember=shrunk.remember,
                     retryable=attempt.retryable, out_of_memory=attempt.out_of_memory, fits_at=shrunk.fits_at,
                     free=shrunk.free, agree=agree,
                 )

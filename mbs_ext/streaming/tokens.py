@@ -161,9 +161,9 @@ class Tokens:
         plan = self.plan
         k = max(range(len(plan.sizes)), key=lambda j: plan.sizes[j] * plan.widths[j])
         start, stop = sum(plan.sizes[:k]), sum(plan.sizes[: k + 1])
-        one = TokenPlan(plan.order[start:stop], [plan.sizes[k]], [plan.widths[k]], plan.lengths[start:stop])
-        stats = {"stage_s": 0.0, "micro_batches": 0, "bytes": 0}
-        return next(TokenStream(batch, one, self.width, device, stats)), plan.sizes[k]
+        one = _one_micro_batch(batch, plan.order[start:stop], plan.lengths[start:stop], plan.widths[k], self.width,
+                               device)
+        return one, plan.sizes[k]
 
     def describe(self, start: int, stop: int, indexed: bool, shown: int = 8) -> str:
         """The rows of the micro-batch at positions ``[start, stop)`` of the grouped order, by their
@@ -181,9 +181,15 @@ def longest_first(batch: Any, info: BatchInfo, token_lengths: Any) -> tuple[Any,
     order = torch.argsort(lengths, descending=True, stable=True)
     rows = order if info.indices is None else info.indices.index_select(0, order)
     longest = max(1, int(lengths.max()))
-    one = TokenPlan(rows, [len(rows)], [longest], lengths[order])
-    stats = {"stage_s": 0.0, "micro_batches": 0, "bytes": 0}
-    return next(TokenStream(batch, one, width, torch.device("cpu"), stats)), longest
+    return _one_micro_batch(batch, rows, lengths[order], longest, width, torch.device("cpu")), longest
+
+
+def _one_micro_batch(batch: Any, rows: torch.Tensor, lengths: torch.Tensor, trim: int, width: int,
+                     device: torch.device) -> Any:
+    """The batch's ``rows`` (of ``lengths`` tokens) as one micro-batch, gathered and trimmed to
+    ``trim`` as :class:`TokenStream` streams them (sequence leaves: dim 1 is ``width``)."""
+    plan = TokenPlan(rows, [len(rows)], [trim], lengths)
+    return next(TokenStream(batch, plan, width, device, {"stage_s": 0.0, "micro_batches": 0, "bytes": 0}))
 
 
 def split(batch: Any, info: BatchInfo, options: StepOptions, m: int) -> Rows | Tokens:
