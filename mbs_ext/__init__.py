@@ -14,7 +14,7 @@ from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.counts.cached import CachedLoss, forward
 from mbs_ext.counts.streamable import check_streamable
-from mbs_ext.memory.planner import MicroBatchPlan, plan_micro_batch
+from mbs_ext.memory.planner import MicroBatchPlan, plan_forward, plan_micro_batch
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.step.batchnorm import BatchNormWarning, convert_batchnorm, set_batchnorm_across_ranks
 from mbs_ext.step.options import StepOptions
@@ -51,6 +51,7 @@ __all__ = [
     "check_streamable",
     "convert_batchnorm",
     "forward",
+    "plan_forward",
     "plan_micro_batch",
     "plan_tokens",
     "scale_accumulate_",

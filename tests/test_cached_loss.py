@@ -235,8 +235,43 @@ def test_forward_concatenates_micro_batch_outputs_in_batch_order():
     got_idx = mbs_ext.forward(model, batch, encode, micro_batch_size=3, indices=indices)
     for a, b in zip(got + got_idx, want + want_idx):
         assert rel_err(a, b) <= 1e-13 and not a.requires_grad  # sub-batch matmuls round alike, not bit-alike
-    with pytest.raises(ValueError, match="micro_batch_size must be an int"):
+    with pytest.raises(ValueError, match="micro_batch_size must be an int >= 1 or 'auto'"):
+        mbs_ext.forward(model, batch, encode, micro_batch_size=0)
+    with pytest.raises(ValueError, match="needs memory_budget"):  # "auto" on the CPU: no free memory to read
         mbs_ext.forward(model, batch, encode, micro_batch_size="auto")
+    with pytest.raises(ValueError, match="memory_budget is what micro_batch_size='auto' plans for"):
+        mbs_ext.forward(model, batch, encode, micro_batch_size=7, memory_budget=10**6)
+
+
+def test_forward_auto_fits_the_memory_budget_and_plans_more_rows_than_a_training_step():
+    """micro_batch_size="auto" for the no-grad forward: the outputs equal one full forward, the
+    whole call's peak of live tensor bytes (PeakTracker around it, the outputs and their
+    concatenation included) stays within the budget, a larger budget plans more rows, and the
+    training step's planner at the same budget fits fewer (it keeps activations for backward)."""
+    from mbs_ext.diagnostics import PeakTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).double()
+    x = torch.randn(600, 32, dtype=torch.float64)
+    fn = lambda m, mb: m(mb)  # noqa: E731
+    with torch.no_grad():
+        want = model(x)
+    planned = {}
+    for budget in (120_000, 400_000, 1_500_000):
+        with PeakTracker() as tracker:
+            got = mbs_ext.forward(model, x, fn, micro_batch_size="auto", memory_budget=budget)
+        assert rel_err(got, want) <= 1e-13 and not got.requires_grad
+        assert tracker.peak <= budget
+        planned[budget] = mbs_ext.plan_forward(model, x, fn, budget)
+    assert planned[120_000] < planned[400_000] < planned[1_500_000]
+    rows = torch.tensor([5, 5, 599, 0, 42] * 40)  # gathered rows, repeats included
+    got = mbs_ext.forward(model, x, fn, micro_batch_size="auto", memory_budget=400_000, indices=rows)
+    assert rel_err(got, want[rows]) <= 1e-13
+    step_plan = mbs_ext.plan_micro_batch(model, (x, torch.zeros(600, 4, dtype=torch.float64)), nn.MSELoss(),
+                                         1_500_000)
+    assert step_plan.micro_batch_size < planned[1_500_000]
+    with pytest.raises(ValueError, match="memory_budget=20000 bytes is too small for mbs_ext.forward"):
+        mbs_ext.forward(model, x, fn, micro_batch_size="auto", memory_budget=20_000)
 
 
 def test_the_model_is_unchanged_by_the_first_two_passes_when_the_step_is_refused_later():

@@ -75,16 +75,31 @@ class CachedLoss:
                         "mbs_ext.accumulate or MicroBatchStreamer, which run its passes")
 
 
-def forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any], *, micro_batch_size: int,
-            indices: torch.Tensor | None = None, autocast_dtype: torch.dtype | None = None) -> Any:
+def forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any], *, micro_batch_size: int | str,
+            indices: torch.Tensor | None = None, memory_budget: int | None = None,
+            autocast_dtype: torch.dtype | None = None) -> Any:
     """``fn(model, micro_batch)`` for every micro-batch of ``batch`` (or of its rows at
     ``indices``), under ``torch.no_grad()``, concatenated in batch order: the structure ``fn``
     returns, each tensor with the mini-batch's rows. For evaluation and embedding at batch
-    sizes beyond device memory; the outputs stay on the model's device."""
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be an int >= 1 for mbs_ext.forward, got {micro_batch_size!r}")
+    sizes beyond device memory; the outputs stay on the model's device.
+
+    ``micro_batch_size="auto"`` takes the most rows whose forward fits ``memory_budget`` bytes
+    (required on the CPU; on CUDA the room the device leaves) beside every row's output, as
+    measured by :func:`mbs_ext.plan_forward`: a no-grad forward keeps no
+    activations for backward, so it fits far more rows than a training step's plan."""
+    auto = micro_batch_size == "auto"
+    if not auto and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                     or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be an int >= 1 or 'auto' for mbs_ext.forward, "
+                         f"got {micro_batch_size!r}")
+    if memory_budget is not None and not auto:
+        raise ValueError("memory_budget is what micro_batch_size='auto' plans for; with a fixed micro_batch_size "
+                         "leave it out")
     device = model_device(model)
     info = _batch.check(batch, indices, device)
+    if auto:
+        micro_batch_size = planner.plan_forward(model, batch, fn, memory_budget, indices=indices,
+                                                autocast_dtype=autocast_dtype)
     return _concat(_encode_all(model, batch, fn, micro_batch_size, info.indices, autocast_dtype, device))
 
 

@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from mbs_ext.counts import loss as _loss
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.memory.probe import (
     RssPeak,
+    measure_forward_peak,
     measure_peak,
     measure_saved_bytes,
     probe_batch,
@@ -191,6 +193,54 @@ def plan_token_budget(model: nn.Module, batch: Any, call: Callable[[nn.Module, A
     planned = plan(model, rows, call, memory_budget, num_rows=info.rows, accumulate_dtype=accumulate_dtype,
                    autocast_dtype=autocast_dtype)
     return planned.micro_batch_size * longest, planned
+
+
+def plan_forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any],
+                 memory_budget: int | None = None, *, indices: torch.Tensor | None = None, slots: int = 2,
+                 autocast_dtype: torch.dtype | None = None) -> int:
+    """The micro-batch size :func:`mbs_ext.forward` takes for ``micro_batch_size="auto"``: the most
+    rows whose no-grad ``fn(model, rows)`` fits ``memory_budget`` (required on the CPU; on CUDA
+    the room the device leaves) less what the call keeps: every row's output, twice at the end
+    (the micro-batches' outputs and their concatenation). Measured as :func:`plan` measures a
+    step (a line through two probes, then the suggested size itself, on the same meters), with
+    :func:`~mbs_ext.memory.probe.measure_forward_peak` in place of a forward and backward."""
+    device = model_device(model)
+    info = _batch.check(batch, indices, device)
+    memory_budget, num_rows, indices = default_budget(device, memory_budget), info.rows, info.indices
+    # Staged rows, as in plan; else the probes' own copy of their rows (the call itself uses views).
+    staged_row = row_bytes(batch) * (slots + 1 if _stages(batch, indices, device) else 1)
+    with probing(model, device):
+        small, large = min(4, num_rows), min(16, num_rows)
+        mbs = {n: probe_batch(batch, n, indices, device) for n in sorted({small, large})}
+        kept = 2 * _output_row_bytes(model, mbs[small], small, fn, autocast_dtype) * num_rows
+        measure_forward_peak(model, mbs[small], fn, autocast_dtype)  # warm-up, as in _probe_line
+        peaks = {n: measure_forward_peak(model, mb, fn, autocast_dtype) for n, mb in mbs.items()}
+        per_row, fixed = _fit(small, large, peaks[small], peaks[large])
+        budget = memory_budget - kept
+        if budget - fixed < per_row + staged_row:
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes is too small for mbs_ext.forward: the outputs of the "
+                f"{num_rows} rows and their concatenation take about {kept} bytes, and one row's forward "
+                f"{fixed + per_row + staged_row}")
+        meter = _meter(device, budget)
+
+        def need(n: int) -> int:
+            mb = probe_batch(batch, n, indices, device)
+            peak = measure_forward_peak(model, mb, fn, autocast_dtype, "rss" if meter == "rss" else "tracker")
+            return peak + n * staged_row
+
+        size, _ = _search(need, _first_guess(meter, budget, fixed, per_row + staged_row, num_rows),
+                          num_rows=num_rows, budget=budget, fixed=fixed, probed=0 if meter == "rss" else large,
+                          meter=meter)
+    return int(size)
+
+
+def _output_row_bytes(model: nn.Module, micro_batch: Any, rows: int, fn: Callable,
+                      autocast_dtype: torch.dtype | None) -> int:
+    """Bytes of ``fn``'s output per row of ``micro_batch`` (its tensor leaves, dim 0 the rows)."""
+    with torch.no_grad(), _loss.autocast(model_device(model), autocast_dtype):
+        leaves = tree_leaves(fn(model, micro_batch))
+    return math.ceil(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)) / rows)
 
 
 def _first_guess(meter: str, budget: int, fixed: int, per_sample: int, num_rows: int) -> int:

@@ -295,20 +295,39 @@ def measure_peak(
             loss = call(model, micro_batch)
         loss.float().backward()
 
+    peak = _peak_of(forward_backward, device, meter)
+    for p in model.parameters():
+        p.grad = None
+    return peak
+
+
+def measure_forward_peak(model: nn.Module, micro_batch: Any, fn: Callable[[nn.Module, Any], Any],
+                         autocast_dtype: torch.dtype | None = None, meter: str = "tracker") -> int:
+    """Peak bytes that ``fn(model, micro_batch)`` adds under ``torch.no_grad()``: what
+    :func:`mbs_ext.forward` holds for one micro-batch (its output included, freed on return)."""
+    model = unwrap(model)
+    device = model_device(model)
+
+    def no_grad_forward() -> None:
+        with torch.no_grad(), _loss.autocast(device, autocast_dtype):
+            fn(model, micro_batch)
+
+    return _peak_of(no_grad_forward, device, meter)
+
+
+def _peak_of(work: Callable[[], None], device: torch.device, meter: str) -> int:
+    """Peak bytes ``work()`` adds to what is resident: CUDA's allocator on a GPU, else ``meter``
+    (``"tracker"``: :class:`PeakTracker`, ``"rss"``: :class:`RssPeak`)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        forward_backward()
+        work()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        with (RssPeak() if meter == "rss" else PeakTracker()) as tracker:
-            forward_backward()
-        peak = tracker.peak
-    for p in model.parameters():
-        p.grad = None
-    return int(peak)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    with (RssPeak() if meter == "rss" else PeakTracker()) as tracker:
+        work()
+    return int(tracker.peak)
 
 
 def release_cached_memory(device: torch.device) -> None:
