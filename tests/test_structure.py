@@ -347,3 +347,23 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     present = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
     assert present == listed, (sorted(present - listed), sorted(listed - present))
+
+
+def test_no_file_holds_an_unresolved_merge():
+    """A merge left half done (its conflict markers committed) reads as two versions of the same
+    text; docs/design.md once carried one. Every tracked text file is read."""
+    import re
+    import subprocess
+
+    try:
+        tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    marker = re.compile(rb"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+    found = []
+    for name in filter(None, tracked.decode().split("\0")):
+        path = ROOT / name
+        if path.is_file() and path.suffix in {".py", ".md", ".cpp", ".h", ".cu", ".cuh", ".txt", ".toml", ".sh", ""}:
+            data = path.read_bytes()
+            found += [(name, data.count(b"\n", 0, m.start()) + 1) for m in marker.finditer(data)]
+    assert not found, found
