@@ -154,7 +154,8 @@ def _extension():
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
 
     def cpp_sources(*dirs: str, ext: str = "cpp") -> list[str]:
-        return sorted(f for d in dirs for f in glob.glob(f"csrc/{d}/*.{ext}"))
+        # */bindings.cpp are compiled inside csrc/module.cpp: one parse of torch's pybind header.
+        return sorted(f for d in dirs for f in glob.glob(f"csrc/{d}/*.{ext}") if Path(f).name != "bindings.cpp")
 
     # Each directory is one subsystem; cuda/ directories only in a CUDA build, no_cuda/ only without.
     sources = ["csrc/module.cpp"] + cpp_sources("build_info", "ops", "ops/cpu", "ring", "ring/cpu", "ring/core")

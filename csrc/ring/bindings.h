@@ -1,7 +1,7 @@
 // Python bindings of the streaming ring (StreamRing), added to mbs_ext._C.
 #pragma once
 
-// pybind11 is only named here: the module (csrc/module.cpp) compiles without torch's headers.
+// pybind11 is only named here; csrc/module.cpp compiles the .cpp in its own unit.
 namespace pybind11 {
 class module_;
 }  // namespace pybind11
