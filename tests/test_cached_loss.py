@@ -168,6 +168,28 @@ def test_dropout_draws_the_same_numbers_in_both_forwards():
         assert rel_err(p.grad, q.grad) <= 1e-12
 
 
+def test_a_host_batch_streams_to_the_models_device_with_dropout_and_repeated_rows(device):
+    """The model on ``device`` (CUDA where there is one), the mini-batch on the host: the ring
+    stages both passes' micro-batches, rows gathered by ``indices=`` (repeats included), and
+    pass 3 replays pass 1's draws of the device's generator. The reference is one graph over the
+    micro-batches' encodings drawn in order on the device from the same seed."""
+    model, ref = TwoTower(dropout=0.5).to(device), TwoTower(dropout=0.5).to(device)
+    batch, m = pairs(), 6
+    indices = torch.tensor([3, 3, 20, 0, 7, 7, 7, 12, 1, 19, 5, 5, 16, 2, 9, 11, 4])
+    rows = {k: v[indices].to(device) for k, v in batch.items()}
+    torch.manual_seed(321)
+    bounds = [(0, 6), (6, 12), (12, 17)]  # the balanced split of 17 rows at 6
+    parts = [encode(ref, {k: v[a:b] for k, v in rows.items()}) for a, b in bounds]
+    ref_loss = info_nce(ref, tuple(torch.cat(t) for t in zip(*parts)))
+    ref_loss.backward()
+    torch.manual_seed(321)
+    res = mbs_ext.accumulate(model, batch, LOSS, micro_batch_size=m, indices=indices)
+    assert mbs_ext.diagnostics.split_sizes(len(indices), m) == [6, 6, 5]
+    assert res.loss == pytest.approx(ref_loss.item(), rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.device.type == torch.device(device).type and rel_err(p.grad, q.grad) <= 1e-12
+
+
 @pytest.mark.parametrize("where", ["encode", "loss", "second_pass"])
 def test_an_error_in_any_pass_changes_nothing(where):
     model = TwoTower(dropout=0.2)
