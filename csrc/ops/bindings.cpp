@@ -5,8 +5,7 @@
 // one check layer (ops/arguments.h), and for a plain eager call runs the kernel of the
 // tensors' device (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
 // fault, and mbs_ext/ops.py raises it. What it leaves to Python it says by returning None.
-#include "ops/bindings.h"
-
+// Compiled inside csrc/module.cpp.
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/zeros.h>

@@ -1,7 +1,5 @@
 // pybind11 bindings of StreamRing / RingIterator and the balanced split. Blocking calls release the GIL: the
-// worker thread never needs it, and the consumer may wait for data.
-#include "ring/bindings.h"
-
+// worker thread never needs it, and the consumer may wait for data. Compiled inside csrc/module.cpp.
 #include <torch/csrc/utils/pybind.h>
 
 #include "ring/core/thread_name.h"
