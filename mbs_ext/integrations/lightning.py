@@ -87,17 +87,7 @@ def StreamingStrategy(  # noqa: N802 - a factory named as the strategy the user 
         raise ValueError("max_grad_norm: use the Trainer's gradient_clip_val (Lightning clips the full mini-batch "
                          "gradient after the stream)")
     if isinstance(strategy, str):
-        name = strategy.lower()
-        _refuse(name)
-        if name in ("single_device", "auto"):
-            inst: Strategy = StreamingSingleDeviceStrategy(**kwargs)
-        elif name == "ddp":
-            inst = StreamingDDPStrategy(**kwargs)
-        elif name == "ddp_spawn":
-            inst = StreamingDDPStrategy(start_method="spawn", **kwargs)
-        else:
-            raise ValueError(f"strategy={strategy!r}: StreamingStrategy wraps 'single_device', 'ddp' or 'ddp_spawn' "
-                             "(or an instance of SingleDeviceStrategy / DDPStrategy)")
+        inst = _named(strategy, kwargs)
     elif isinstance(strategy, Strategy):
         if kwargs:
             raise TypeError(f"unexpected keywords {sorted(kwargs)} (the strategy instance is already made)")
@@ -106,6 +96,20 @@ def StreamingStrategy(  # noqa: N802 - a factory named as the strategy the user 
         raise TypeError(f"strategy must be a name or a lightning Strategy, got {type(strategy).__name__}")
     inst._mbs_init(opts)
     return inst
+
+
+def _named(strategy: str, kwargs: dict[str, Any]) -> Strategy:
+    """The streaming strategy called ``strategy``, made with the wrapped strategy's ``kwargs``."""
+    name = strategy.lower()
+    _refuse(name)
+    if name in ("single_device", "auto"):
+        return StreamingSingleDeviceStrategy(**kwargs)
+    if name == "ddp":
+        return StreamingDDPStrategy(**kwargs)
+    if name == "ddp_spawn":
+        return StreamingDDPStrategy(start_method="spawn", **kwargs)
+    raise ValueError(f"strategy={strategy!r}: StreamingStrategy wraps 'single_device', 'ddp' or 'ddp_spawn' "
+                     "(or an instance of SingleDeviceStrategy / DDPStrategy)")
 
 
 def _refuse(name: str) -> None:

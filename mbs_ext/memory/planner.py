@@ -18,6 +18,7 @@ The probes themselves live in :mod:`~mbs_ext.memory.probe`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,24 +149,20 @@ def plan(
     input_row = row_bytes(batch)
     staged_row = input_row * (slots + 1) if _stages(batch, indices, device) else 0
     grad_bytes, acc_bytes = _gradient_bytes(model, accumulate_dtype)
+    accumulating = accumulate_dtype is None  # autograd adds into .grad
+    held = grad_bytes if accumulating else 0  # the sum in .grad stays resident
     with probing(model, device):
         small, large = min(4, num_rows), min(16, num_rows)
-        accumulating = accumulate_dtype is None  # autograd adds into .grad
-        held = grad_bytes if accumulating else 0  # the sum in .grad stays resident
         per_sample_saved, intercept, per_row, fixed_peak = _probe_line(
             model, batch, indices, device, call, autocast_dtype, accumulating, held, (small, large))
         fixed = max(fixed_peak, intercept + grad_bytes) + acc_bytes
         per_sample = per_row + staged_row
         _check_fits(memory_budget, fixed, per_sample, grad_bytes + acc_bytes)
         meter = _meter(device, memory_budget)
-        size = _first_guess(meter, memory_budget, fixed, per_sample, num_rows)
-
-        def need(n: int) -> int:
-            peak = measure_peak(model, probe_batch(batch, n, indices, device), call, autocast_dtype,
-                                accumulating, meter="rss" if meter == "rss" else "tracker")
-            return peak + acc_bytes + held + n * staged_row
-
-        size, verified = _search(need, size, num_rows=num_rows, budget=memory_budget, fixed=fixed,
+        need = functools.partial(_step_need, model, batch, indices, device, call, autocast_dtype, accumulating,
+                                 "rss" if meter == "rss" else "tracker", acc_bytes + held, staged_row)
+        size, verified = _search(need, _first_guess(meter, memory_budget, fixed, per_sample, num_rows),
+                                 num_rows=num_rows, budget=memory_budget, fixed=fixed,
                                  probed=0 if meter == "rss" else large, meter=meter)
         if meter == "rss" and size in verified:  # report the line the OS measured
             per_sample = max(per_sample, math.ceil((verified[size] - fixed) / size))
@@ -265,6 +262,16 @@ def _probe_line(model: nn.Module, batch: Any, indices: torch.Tensor | None, devi
     per_sample_saved, intercept = _fit(small, large, saved[small], saved[large])
     per_row, fixed_peak = _fit(small, large, peaks[small], peaks[large])
     return per_sample_saved, intercept, max(per_row, per_sample_saved), fixed_peak
+
+
+def _step_need(model: nn.Module, batch: Any, indices: torch.Tensor | None, device: torch.device, call: Callable,
+               autocast_dtype: torch.dtype | None, accumulating: bool, meter: str, resident: int,
+               staged_row: int, n: int) -> int:
+    """Bytes a step of ``n`` rows needs, measured: its peak on ``meter``, what stays resident
+    beside it (accumulation buffers, the sum in ``.grad``) and its ``n`` staged rows."""
+    peak = measure_peak(model, probe_batch(batch, n, indices, device), call, autocast_dtype, accumulating,
+                        meter=meter)
+    return peak + resident + n * staged_row
 
 
 def _stages(batch: Any, indices: torch.Tensor | None, device: torch.device) -> bool:

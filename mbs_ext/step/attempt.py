@@ -23,7 +23,7 @@ from torch import nn
 from mbs_ext.counts.normalize import Rule
 from mbs_ext.messages import add_note
 from mbs_ext.step.batchnorm import warn_split_statistics
-from mbs_ext.step.finish import StepResult, finish, finish_gradients
+from mbs_ext.step.finish import Finished, StepResult, finish, finish_gradients
 from mbs_ext.step.forward_backward import ForwardBackward
 from mbs_ext.step.options import StepOptions
 from mbs_ext.step.rollback import StepGuard
@@ -101,7 +101,14 @@ class Attempt:
             if isinstance(exc, Exception):  # before back-off: every rank must decide alike
                 self.share_failure(exc, call.params, device, options.accumulate_dtype)
             raise
-        stats = cut.stats(ring)  # totals of this step's stream
+        return self.result(call, options, ring, done, t_finish)
+
+    def result(self, call: Call, options: StepOptions, ring: StreamRing, done: Finished,
+               t_finish: float) -> StepResult:
+        """What this attempt did, with the seconds it spent staging and waiting (the ring's
+        totals), computing and finishing."""
+        sizes = self.cut.sizes
+        stats = self.cut.stats(ring)  # totals of this step's stream
         timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
         timings.update(compute_s=self.fb.compute_s, step_s=time.perf_counter() - t_finish)
         return StepResult(

@@ -33,7 +33,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from mbs_ext.counts.loss import autocast
 from mbs_ext.ops import is_dtensor
+from mbs_ext.step.grads import LOW_PRECISION
+from mbs_ext.world.wrappers import unwrap
 
 
 def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
@@ -173,6 +176,23 @@ def outputs(root: nn.Module, keep: bool) -> Iterator[list[Any]]:
     finally:
         if handle is not None:
             handle.remove()
+
+
+def zero_weight_loss(pass_: Any, lenient: bool) -> torch.Tensor:
+    """The loss of one row of ``pass_``'s latest real micro-batch, in eval mode (:func:`padding`),
+    for a backward at weight 0 (the pass: :class:`mbs_ext.world.one.Pass`). ``lenient`` (a rank
+    catching up after a failure): should the loss function fail once the model's forward has
+    run, the loss goes through the model's outputs instead (:func:`zero_through`), so that the
+    backward still runs FSDP's collectives."""
+    with padding(pass_.model), autocast(pass_.device, pass_.options.autocast_dtype):
+        with outputs(unwrap(pass_.model), keep=lenient) as seen:
+            try:
+                loss = pass_.loss_call(pass_.model, one_row(pass_.template))
+            except Exception:
+                if not seen:
+                    raise
+                loss = zero_through(seen[-1])
+    return loss.float() if loss.dtype in LOW_PRECISION else loss
 
 
 def zero_through(output: Any) -> torch.Tensor:

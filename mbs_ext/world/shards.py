@@ -27,11 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mbs_ext.counts import sources as counts
-from mbs_ext.counts.loss import autocast
 from mbs_ext.counts.normalize import Normalizer, Rule
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
-from mbs_ext.step.grads import LOW_PRECISION, accumulation_dtype
+from mbs_ext.step.grads import accumulation_dtype
 from mbs_ext.step.options import StepOptions
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
@@ -100,22 +99,13 @@ class Shards(World):
         return fsdp.forward_watch(unwrap(model))
 
     def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
-        """One row of the latest real micro-batch, in eval mode, at weight 0. ``lenient`` (catching
-        up after a failure): should the loss function fail once the model's forward has run,
-        the backward goes through the model's outputs instead."""
+        """A backward at weight 0 through one row of the latest real micro-batch
+        (:func:`fsdp.zero_weight_loss`), so that FSDP's collectives pair up with the other ranks'."""
         if self.pairing is not None:  # the BatchNorm layers take part with zero rows
             self.pairing.enter(pass_.index if index is None else index, zero_rows=True)
         self.before_backward(last, pass_.options)
         pass_.watch.entered = False
-        with fsdp.padding(pass_.model), autocast(pass_.device, pass_.options.autocast_dtype):
-            with fsdp.outputs(unwrap(pass_.model), keep=lenient) as seen:
-                try:
-                    loss = pass_.loss_call(pass_.model, fsdp.one_row(pass_.template))
-                except Exception:
-                    if not seen:
-                        raise
-                    loss = fsdp.zero_through(seen[-1])
-        pass_.sink.backward(loss.float() if loss.dtype in LOW_PRECISION else loss, 0.0, pass_.options.scaler)
+        pass_.sink.backward(fsdp.zero_weight_loss(pass_, lenient), 0.0, pass_.options.scaler)
 
     def catch_up(self, pass_: Pass) -> bool:
         """After a failure at micro-batch ``pass_.index``: if its forward had not begun, run it and
@@ -152,20 +142,21 @@ class Shards(World):
                           "any micro-batch arrived): the other ranks wait in them until the process group times out")
             return False
         failure = Failure(micro_batch, is_out_of_memory(exc))
-
-        def share() -> bool:
-            if phase >= Phase.AGREEING:
-                layout = Layout(self.size, self.rank)
-                record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
-                raise_failures(record.failure_slots().tolist(), self.size, self.rank)
-            elif self.pairing is not None:
-                self.pairing.agree(0.0, [], device, failure)
-            else:
-                self._agree(0.0, 0, device, failure)
-            return False
-
-        tell_others(exc, self.rank, share)
+        tell_others(exc, self.rank, lambda: self._share(failure, phase, device))
         return False  # never backs off (backs_off)
+
+    def _share(self, failure: Failure, phase: Phase, device: torch.device) -> bool:
+        """``failure`` in the collective the other ranks are in at ``phase``: the step's own
+        while streaming, the micro-batch agreement before it."""
+        if phase >= Phase.AGREEING:
+            layout = Layout(self.size, self.rank)
+            record = layout.read(all_reduce_sum(layout.pack(failure=failure), device, self.group))
+            raise_failures(record.failure_slots().tolist(), self.size, self.rank)
+        elif self.pairing is not None:
+            self.pairing.agree(0.0, [], device, failure)
+        else:
+            self._agree(0.0, 0, device, failure)
+        return False
 
     def out_of_memory(self, exc: BaseException, together: bool) -> bool:
         return together
