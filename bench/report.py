@@ -86,6 +86,12 @@ def main(argv: list[str]) -> int:
         if md.exists():
             body = md.read_text().splitlines()
             lines += ["#" + body[0], *body[1:], ""]
+    # Studies and comparisons written elsewhere in the folder (before/after runs, side-by-side
+    # trees, the rank studies): linked, so that a regenerated page still leads to them.
+    others = sorted(p.name for p in RESULTS.glob("*.md")
+                    if p.stem not in ("README", "accumulate", "step", "ring", "memory"))
+    if others:
+        lines += ["## Other studies", "", *(f"- [{name}]({name})" for name in others), ""]
     plots = []
     step, acc = _load("step"), _load("accumulate")
     if step:
