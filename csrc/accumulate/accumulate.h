@@ -19,8 +19,8 @@
 #endif
 
 // The baseline x86-64 build only has 128-bit SSE2; an AVX2 clone of each loop is
-// picked at run time when the CPU has it (same arithmetic: no FMA contraction), with
-// a hand-written float32 loop below (AVX2 with FMA).
+// picked at run time when the CPU has AVX2 and FMA (same arithmetic: no FMA contraction),
+// with a hand-written float32 loop below.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MBS_HAVE_AVX2_CLONES 1
 #else
@@ -144,10 +144,8 @@ __attribute__((target("avx2"))) bool accumulate_span_avx2(void* acc, const void*
 // (GCC would otherwise fuse the intrinsics once FMA is enabled), and the last few elements run
 // in the portable loop, so the result is bit for bit the same.
 template <>
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool accumulate_span_avx2<DType::f32, DType::f32>(void* acc_raw,
-                                                                                            const void* grad_raw,
-                                                                                            int64_t n,
-                                                                                            double scale) {
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool
+accumulate_span_avx2<DType::f32, DType::f32>(void* acc_raw, const void* grad_raw, int64_t n, double scale) {
   auto* acc = static_cast<float*>(acc_raw);
   const auto* grad = static_cast<const float*>(grad_raw);
   const __m256 s = _mm256_set1_ps(static_cast<float>(scale));
@@ -169,9 +167,9 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool acc
 }
 #endif
 
-// AVX2 and FMA: the float32 loop's flag is a fused multiply-add (every AVX2 CPU made has
-// FMA, but a virtual machine may show one without the other).
-inline bool cpu_has_avx2() {
+// AVX2 and FMA: the float32 loop's flag is a fused multiply-add (Intel's and AMD's AVX2 CPUs
+// have FMA as well, but a virtual machine may show one without the other).
+inline bool cpu_has_avx2_fma() {
 #if MBS_HAVE_AVX2_CLONES
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
@@ -182,7 +180,7 @@ inline bool cpu_has_avx2() {
 
 template <DType A, DType G> SpanFn pick_span_kernel() {
 #if MBS_HAVE_AVX2_CLONES
-  if (cpu_has_avx2()) return &accumulate_span_avx2<A, G>;
+  if (cpu_has_avx2_fma()) return &accumulate_span_avx2<A, G>;
 #endif
   return &accumulate_span_default<A, G>;
 }
