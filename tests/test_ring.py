@@ -786,6 +786,10 @@ def test_staging_threads_are_the_rings_own():
     gc.collect()
     before = os_threads(RING_STAGING_THREAD)
     ring = StreamRing("cpu", staging_threads=3)
+    # A worker names itself once it runs: give the two a few seconds to start.
+    deadline = time.monotonic() + 5.0
+    while os_threads(RING_STAGING_THREAD) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert os_threads(RING_STAGING_THREAD) == before + 2  # the caller's worker thread counts as the third
     old = torch.get_num_threads()
     torch.set_num_threads(1)
