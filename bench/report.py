@@ -72,6 +72,9 @@ def plot_accumulate(acc: dict) -> str | None:
     return "accumulate.png"
 
 
+_STUDIES = ("accumulate", "step", "ring", "memory")  # written into the page itself
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__)
@@ -81,7 +84,7 @@ def main(argv: list[str]) -> int:
              f"Machine: {raw.get('machine_info', {}).get('cpu', {}).get('brand_raw', '?')}, "
              f"{raw.get('datetime', '')}. All variants of a study ran side by side in one session;"
              " only ratios are claimed.", ""]
-    for name in ("accumulate", "step", "ring", "memory"):
+    for name in _STUDIES:
         md = RESULTS / f"{name}.md"
         if md.exists():
             body = md.read_text().splitlines()
@@ -89,7 +92,7 @@ def main(argv: list[str]) -> int:
     # Studies and comparisons written elsewhere in the folder (before/after runs, side-by-side
     # trees, the rank studies): linked, so that a regenerated page still leads to them.
     others = sorted(p.name for p in RESULTS.glob("*.md")
-                    if p.stem not in ("README", "accumulate", "step", "ring", "memory"))
+                    if p.stem != "README" and p.stem not in _STUDIES)
     if others:
         lines += ["## Other studies", "", *(f"- [{name}]({name})" for name in others), ""]
     plots = []
