@@ -177,10 +177,10 @@ def counts_ahead(rule: Any, targets: torch.Tensor | None, indices: torch.Tensor 
 
 def local_total(counts: list[Count]) -> Count:
     """The sum of host and device counts (a device tensor where any count is one)."""
-    host = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
     on_device = [c for c in counts if isinstance(c, torch.Tensor)]
-    if not on_device:
-        return host
+    if not on_device:  # the usual case: every count on the host
+        return float(sum(counts))
+    host = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
     total = torch.stack(on_device).sum()
     return total + host if host else total
 

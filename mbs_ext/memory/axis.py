@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -21,8 +21,7 @@ from mbs_ext.step.options import StepOptions
 from mbs_ext.streaming.tokens import Tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class Axis:
+class Axis(NamedTuple):
     """One size for :func:`~mbs_ext.memory.backoff.with_backoff`: the option it names, where it
     starts, the step at a size, the probe at a size, what keeps the size found for later steps,
     and what frees the device's cached memory before the probes."""

@@ -11,7 +11,6 @@ the world before out-of-memory back-off (:mod:`~mbs_ext.memory.backoff`) decides
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,7 +76,7 @@ class Attempt:
             self.phase = Phase.SYNCING_BUFFERS
             sink = world.start(call.params, device, options.accumulate_dtype)
             normalizer = world.normalizer(call.rule, call.batch, cut.info, sizes, device)
-            normalizer.describe_rows = functools.partial(cut.describe, indexed=call.info.indices is not None)
+            normalizer.describe_rows = cut.describe
             self.phase = Phase.AGREEING
             padded = world.agree(normalizer, sizes, device)
             self.phase = Phase.STREAMING
@@ -97,7 +96,7 @@ class Attempt:
             if sink is not None:
                 sink.release()
             if not isinstance(exc, PeerFailed):
-                add_note(exc, self.where(call, m, exc))
+                add_note(exc, self.where(m, exc))
             if isinstance(exc, Exception):  # before back-off: every rank must decide alike
                 self.share_failure(exc, call.params, device, options.accumulate_dtype)
             raise
@@ -109,8 +108,8 @@ class Attempt:
         totals), computing and finishing."""
         sizes = self.cut.sizes
         stats = self.cut.stats(ring)  # totals of this step's stream
-        timings = {k: float(stats.get(k, 0.0)) for k in ("stage_s", "wait_s")}
-        timings.update(compute_s=self.fb.compute_s, step_s=time.perf_counter() - t_finish)
+        timings = {"stage_s": float(stats.get("stage_s", 0.0)), "wait_s": float(stats.get("wait_s", 0.0)),
+                   "compute_s": self.fb.compute_s, "step_s": time.perf_counter() - t_finish}
         return StepResult(
             loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=max(sizes), num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
@@ -147,7 +146,7 @@ class Attempt:
         streaming = self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
         return self.world.backs_off(streaming)
 
-    def where(self, call: Call, m: int, exc: BaseException) -> str:
+    def where(self, m: int, exc: BaseException) -> str:
         fb = self.fb
         if fb is None or fb.index < 0:
             text = "mbs_ext.step: failed before the first micro-batch"
@@ -159,6 +158,6 @@ class Attempt:
         elif fb.rows is None:
             text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb}, while the ring made it"
         else:
-            rows = self.cut.describe(fb.rows[0], fb.rows[1], call.info.indices is not None)
+            rows = self.cut.describe(fb.rows[0], fb.rows[1])
             text = f"mbs_ext.step: failed at micro-batch {fb.index} of {fb.num_mb} ({rows})"
         return text + self.world.failure_note(exc, m)

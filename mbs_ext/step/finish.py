@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,8 +47,9 @@ class StepResult:
     micro_batch_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(NamedTuple):
+    """What the finish decided: the mini-batch loss, whether the step was skipped, the norm."""
+
     loss: float
     skipped: bool
     grad_norm: float | None

@@ -96,8 +96,7 @@ class ForwardBackward:
             if settle_now:
                 self._settle()
             return  # zero items: nothing to learn, skip the forward
-        self.world.micro_batch(self.index)
-        self.world.before_backward(last, self.options)
+        self.world.micro_batch(self.index, last, self.options)
         with self.world.no_sync():
             with _loss.autocast(self.device, self.options.autocast_dtype):
                 loss = self.loss_call(self.model, mb)

@@ -205,8 +205,6 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 gradients), or the tensor itself."""
-    if type(t) is torch.Tensor:  # the common case, without a failed attribute lookup per tensor
-        return t
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 
@@ -231,7 +229,10 @@ class AutogradSink:
 
     def local_nonfinite(self) -> torch.Tensor:
         """This rank's non-finite flag: of its shards of the gradients under FSDP2."""
-        return nonfinite_flag([_local(p.grad) for p in self.params if p.grad is not None], self.device)
+        grads = [p.grad for p in self.params]
+        # Plain tensors as they are (one type test each, not a call): DTensors only under FSDP2.
+        return nonfinite_flag([g if type(g) is torch.Tensor else _local(g) for g in grads if g is not None],
+                              self.device)
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
         loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)

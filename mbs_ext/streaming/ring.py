@@ -179,7 +179,8 @@ class RingIterator:
         ranges = leaves is not None and indices is None and sizes is not None
         self._pieces = None
         if ranges:
-            self._pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf.detach(),) for leaf in leaves]
+            pieces = [leaf.split(sizes) if len(sizes) > 1 else (leaf.detach(),) for leaf in leaves]
+            self._pieces = list(zip(*pieces))  # micro-batch j's leaves: self._pieces[j]
         self._next = (0, 0)  # sliced mode: (next index, next start)
         self.index: int = -1
         self.rows: tuple[int, int] = (0, 0)
@@ -192,7 +193,7 @@ class RingIterator:
             return int(self._handle.num_micro_batches)
         return len(self._sizes) if self._sizes is not None else 0
 
-    def _slice(self) -> list[torch.Tensor] | None:
+    def _slice(self) -> list[torch.Tensor] | tuple[torch.Tensor, ...] | None:
         j, start = self._next
         if self._sizes is None or j >= len(self._sizes):
             return None
@@ -200,7 +201,7 @@ class RingIterator:
         self._next = (j + 1, stop)
         self.index, self.rows = j, (start, stop)
         if self._pieces is not None:
-            out = [pieces[j] for pieces in self._pieces]
+            out = self._pieces[j]
         else:
             idx = self._indices[start:stop]
             out = [leaf.index_select(0, idx) for leaf in self._leaves]
@@ -271,6 +272,9 @@ class StreamRing:
         self.staging_threads = staging_threads
         self._ring = _C.StreamRing(str(self.device), slots, staging_threads)
         self._sliced_stats: dict | None = None
+        # Whether the native ring may have a stream open: a sliced stream closes it first, and
+        # skips the call into C++ (which releases and takes back the GIL) when it has none.
+        self._native_open = False
 
     def stream(
         self, batch: Any, micro_batch_size: int, *, indices: torch.Tensor | None = None, copy: bool = True
@@ -299,7 +303,7 @@ class StreamRing:
         where = leaves[0].device
         on_device = where.type != "cpu"
         if on_device or (not copy and indices is None and self.device.type == "cpu"):
-            self._ring.close()
+            self.close()
             rows = n if indices is None else int(indices.numel())
             sizes = split_sizes(rows, m)
             self._sliced_stats = {
@@ -315,6 +319,7 @@ class StreamRing:
             return RingIterator(self, flat, tensor_pos, spec, leaves=leaves, indices=indices, sizes=sizes,
                                 stats=self._sliced_stats, plain=plain)
         self._sliced_stats = None
+        self._native_open = True  # before: a failed open is closed again, as any other
         handle = self._ring.open(leaves, m, indices)
         return RingIterator(self, flat, tensor_pos, spec, handle=handle, plain=plain)
 
@@ -328,7 +333,9 @@ class StreamRing:
 
     def close(self) -> None:
         """Close the stream in progress, if any."""
-        self._ring.close()
+        if self._native_open:
+            self._ring.close()
+            self._native_open = False
 
     def __repr__(self) -> str:
         return f"StreamRing(device={str(self.device)!r}, slots={self.slots}, staging_threads={self.staging_threads})"

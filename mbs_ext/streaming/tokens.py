@@ -121,6 +121,7 @@ class Rows:
     def __init__(self, info: BatchInfo, m: int) -> None:
         self.info, self.m = info, m
         self.sizes = split_sizes(info.rows, m)
+        self.indexed = info.indices is not None  # rows are positions in ``indices`` (messages say so)
 
     def stream(self, ring: StreamRing, batch: Any, device: torch.device) -> Any:
         # A CPU model reads row ranges of the host batch in place: nothing to stage.
@@ -129,9 +130,9 @@ class Rows:
     def stats(self, ring: StreamRing) -> dict:
         return ring.stats()
 
-    def describe(self, start: int, stop: int, indexed: bool) -> str:
+    def describe(self, start: int, stop: int) -> str:
         """The rows of the micro-batch at positions ``[start, stop)``, for error notes."""
-        return f"rows [{start}, {stop}) of {'indices' if indexed else 'the mini-batch'}"
+        return f"rows [{start}, {stop}) of {'indices' if self.indexed else 'the mini-batch'}"
 
 
 class Tokens:
@@ -139,6 +140,7 @@ class Tokens:
 
     def __init__(self, batch: Any, info: BatchInfo, options: StepOptions, m: int) -> None:
         lengths, width = row_lengths(batch, info, options.token_lengths)
+        self.indexed = info.indices is not None  # rows are numbered in the dataset (messages say so)
         self.plan = plan_tokens(lengths, options.micro_batch_tokens, m, rows=info.indices)
         self.width = width
         # Counts and the world read the rows at ``indices``: the grouped order (of the dataset's rows).
@@ -165,12 +167,12 @@ class Tokens:
                                device)
         return one, plan.sizes[k]
 
-    def describe(self, start: int, stop: int, indexed: bool, shown: int = 8) -> str:
+    def describe(self, start: int, stop: int, shown: int = 8) -> str:
         """The rows of the micro-batch at positions ``[start, stop)`` of the grouped order, by their
         numbers in the mini-batch (or, with ``indices``, in the dataset), for error notes."""
         rows = self.plan.order[start:stop].tolist()
         listed = ", ".join(map(str, rows[:shown])) + (f", ... ({len(rows)} rows)" if len(rows) > shown else "")
-        return f"rows {listed} of {'the dataset' if indexed else 'the mini-batch'}, grouped by length"
+        return f"rows {listed} of {'the dataset' if self.indexed else 'the mini-batch'}, grouped by length"
 
 
 def longest_first(batch: Any, info: BatchInfo, token_lengths: Any) -> tuple[Any, int]:

@@ -12,8 +12,8 @@ The hooks, in the order a step calls them:
   :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
   sync, then the gradient sink), :meth:`normalizer` (the count source, chosen once, and
   the total where this world knows it ahead), :meth:`agree` (how many micro-batches run);
-* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`before_backward`,
-  :meth:`weigh`, :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
+* in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`weigh`,
+  :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
 * after it: :meth:`collect` (the step's one collective, then the gradient sums);
 * on failure and back-off: :meth:`share_failure`, :meth:`out_of_memory`,
   :meth:`backs_off`, :meth:`backoff`, :meth:`failure_note`.
@@ -58,6 +58,7 @@ class Pass(Protocol):
     padded: int  # how many every rank runs
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per micro-batch
+_ALONE = Record()  # one process's record: nothing shared, nothing to read (immutable, so made once)
 
 
 class Phase(enum.IntEnum):
@@ -123,8 +124,10 @@ class World:
         """Around each micro-batch's forward and backward."""
         return _NO_CONTEXT
 
-    def micro_batch(self, index: int) -> None:
-        """Before the forward of this rank's micro-batch ``index``."""
+    def micro_batch(self, index: int, last: bool, options: StepOptions) -> None:
+        """Before the forward of this rank's micro-batch ``index`` (``last``: the step's last one on
+        this rank). One hook per micro-batch: the pass calls it for every one, so what a world
+        does there costs nothing where it does nothing."""
         if self.pairing is not None:
             self.pairing.enter(index)
 
@@ -132,9 +135,6 @@ class World:
         """Before a micro-batch's backward: the ``weight`` the sink gives it."""
         if self.pairing is not None:
             self.pairing.weigh(weight)
-
-    def before_backward(self, last: bool, options: StepOptions) -> None:
-        """Before each micro-batch (``last``: the step's last one on this rank)."""
 
     def watch(self, model: nn.Module) -> Any:
         """Something that tells whether a failing micro-batch's forward began (None: not needed)."""
@@ -156,7 +156,7 @@ class World:
             normalizer.settle()
         if sink.buffered:
             sink.finish(normalizer.rescale_factor(), sink.presence())
-        return Record()
+        return _ALONE
 
     # ---- failures and back-off
     def share_failure(self, exc: Exception, micro_batch: int, phase: Phase, caught_up: bool,

@@ -90,7 +90,11 @@ class Shards(World):
         stack.enter_context(self.pairing.streaming())
         return stack
 
-    def before_backward(self, last: bool, options: StepOptions) -> None:
+    def micro_batch(self, index: int, last: bool, options: StepOptions) -> None:
+        super().micro_batch(index, last, options)
+        self._gradient_sync(last, options)
+
+    def _gradient_sync(self, last: bool, options: StepOptions) -> None:
         """Accumulating unsharded gradients: reduce-scatter in the last backward only."""
         if options.fsdp_accumulate == "unsharded":
             fsdp.set_gradient_sync(self.modules, last)
@@ -103,7 +107,7 @@ class Shards(World):
         (:func:`fsdp.zero_weight_loss`), so that FSDP's collectives pair up with the other ranks'."""
         if self.pairing is not None:  # the BatchNorm layers take part with zero rows
             self.pairing.enter(pass_.index if index is None else index, zero_rows=True)
-        self.before_backward(last, pass_.options)
+        self._gradient_sync(last, pass_.options)
         pass_.watch.entered = False
         pass_.sink.backward(fsdp.zero_weight_loss(pass_, lenient), 0.0, pass_.options.scaler)
 
