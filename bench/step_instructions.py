@@ -8,8 +8,10 @@ made that bookkeeping grow. Instructions can. This runs ``bench_step.py``'s "gua
 small, so what is left is the bookkeeping) under valgrind's callgrind, counting only the steps
 after a warm-up (instrumentation switched on and dumped with ``callgrind_control``), and prints the
 user-space instructions per step of each, and their difference: the instructions the step adds.
-Counts repeat to about 1% of that difference from run to run (valgrind runs the process alone,
-on one simulated core, so the machine's load does not enter).
+Run again, a tree's counts repeat to within a few hundred instructions (valgrind runs the process
+on one simulated core, so the machine's load does not enter); between trees the guarded loop, the
+same code, moves by up to about 15,000 at 8 micro-batches (other allocations, other paths), which
+bounds how closely two trees compare (bench/results/step_overhead_side_by_side.md).
 
     python bench/step_instructions.py            # k = 1 and 8 micro-batches, this tree
     (cd OTHER_TREE && python /path/to/bench/step_instructions.py)   # another commit, same model
