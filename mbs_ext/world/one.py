@@ -126,8 +126,8 @@ class World:
 
     def micro_batch(self, index: int, last: bool, options: StepOptions) -> None:
         """Before the forward of this rank's micro-batch ``index`` (``last``: the step's last one on
-        this rank). One hook per micro-batch: the pass calls it for every one, so what a world
-        does there costs nothing where it does nothing."""
+        this rank). The pass's one hook before each forward it runs (a micro-batch that counts no
+        items is skipped before it, where the world allows that)."""
         if self.pairing is not None:
             self.pairing.enter(index)
 
