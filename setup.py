@@ -64,11 +64,12 @@ _PROBE_SOURCE = "#include <sstream>\nint mbs_probe() { std::ostringstream s; s <
 
 def links_shared_runtime(cxx: str) -> bool | None:
     """Whether ``cxx`` links a shared object against the shared C++ runtime, read from the
-    dynamic section of a one-line probe it builds; None when that cannot be told (the
-    compiler or readelf is missing or fails)."""
-    readelf = shutil.which("readelf")
-    if readelf is None:
+    dynamic section of a one-line probe it builds (``readelf -d``, else ``ldd``); None when that
+    cannot be told (the compiler, or both readers, missing or failing)."""
+    reader = shutil.which("readelf") or shutil.which("ldd")
+    if reader is None:
         return None
+    args = ["-d"] if Path(reader).name == "readelf" else []
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp, "probe.cpp"), Path(tmp, "probe.so")
         src.write_text(_PROBE_SOURCE)
@@ -77,12 +78,13 @@ def links_shared_runtime(cxx: str) -> bool | None:
                                    capture_output=True, timeout=120)
             if built.returncode != 0:
                 return None
-            dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, timeout=60)
+            dynamic = subprocess.run([reader, *args, str(lib)], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return None
     if dynamic.returncode != 0:
         return None
-    needed = [line for line in dynamic.stdout.splitlines() if "(NEEDED)" in line]
+    # readelf: "(NEEDED) Shared library: [libstdc++.so.6]"; ldd: "libstdc++.so.6 => /lib/...".
+    needed = [line for line in dynamic.stdout.splitlines() if "(NEEDED)" in line or "=>" in line]
     return any("libstdc++" in line or "libc++" in line for line in needed)
 
 

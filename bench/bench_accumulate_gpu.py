@@ -15,7 +15,11 @@ float32):
 - ``flat_add``: one ``add_`` over flat buffers of the same element count (the ceiling a
   flat grad buffer would give),
 - ``copy``: a device-to-device copy moving the same number of bytes (read + write),
-  the practical bandwidth ceiling.
+  the practical bandwidth ceiling;
+- ``fused_graph`` / ``foreach_graph``: the ``fused`` / ``foreach`` calls of one pass over the
+  buffer sets captured once in a CUDA graph and replayed: the device's time alone, without
+  the host's per-call work (checks, launch), which the plain columns include whenever the
+  host is slower than the kernel.
 
 Bytes moved per element: read acc + write acc + read grad. Each timed call uses the next
 of several buffer sets whose total exceeds the L2 cache several times, so no method is
@@ -44,7 +48,7 @@ import mbs_ext  # noqa: E402
 from mbs_ext.diagnostics import buffer_layout  # noqa: E402
 
 GRADS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ["fused", "fused_api", "foreach", "flat_add", "copy"]
+METHODS = ["fused", "fused_api", "foreach", "flat_add", "copy", "fused_graph", "foreach_graph"]
 SCALE = 0.125
 WARMUP_ROUNDS = 3
 ROUNDS = 15
@@ -77,7 +81,33 @@ def _make_set(shapes: list[tuple[int, ...]], grad_dtype: torch.dtype, gen: torch
     return BufferSet(flat_acc, accs, grads, flat_grad, copy_src, copy_dst)
 
 
-def _runner(method: str, found_inf: torch.Tensor) -> Callable[[BufferSet], object]:
+def _runner(method: str, found_inf: torch.Tensor,
+            sets: list[BufferSet]) -> Callable[[list[BufferSet]], object] | None:
+    """One pass over ``sets`` by ``method``: a call per set, or one graph replay (None when the
+    capture fails: that method's columns read nan)."""
+    if method.endswith("_graph"):
+        call = _call(method.removesuffix("_graph"), found_inf)
+        for b in sets:  # once outside the capture, as torch asks of code about to be captured
+            call(b)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for b in sets:
+                    call(b)
+        except Exception as e:  # noqa: BLE001 - reported as a missing column, not the end of the study
+            print(f"{method}: capture failed: {e}")
+            return None
+        return lambda _sets: graph.replay()
+    call = _call(method, found_inf)
+
+    def each(pass_sets: list[BufferSet]) -> None:
+        for b in pass_sets:
+            call(b)
+    return each
+
+
+def _call(method: str, found_inf: torch.Tensor) -> Callable[[BufferSet], object]:
     scale_t = torch.tensor(SCALE, dtype=torch.float64)  # a CPU scalar, read by value
     op = torch.ops.mbs_ext.scale_accumulate_
     if method == "fused":
@@ -104,12 +134,11 @@ def _check_correct(shapes: list[tuple[int, ...]], grad_dtype: torch.dtype) -> No
     assert found_inf.item() == 0.0
 
 
-def _time_per_call(fn: Callable[[BufferSet], object], sets: list[BufferSet]) -> float:
+def _time_per_call(fn: Callable[[list[BufferSet]], object], sets: list[BufferSet]) -> float:
     """Seconds per call, over one pass through every set (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for b in sets:
-        fn(b)
+    fn(sets)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / len(sets)
@@ -127,17 +156,18 @@ def measure(name: str, grad_key: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sets = [_make_set(shapes, grad_dtype, gen) for _ in range(n_sets)]
     found_inf = torch.zeros((), device="cuda")
-    runs = {m: _runner(m, found_inf) for m in METHODS}
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    runs = {m: run for m in METHODS if (run := _runner(m, found_inf, sets)) is not None}
+    names = list(runs)
+    times: dict[str, list[float]] = {m: [] for m in names}
     for r in range(WARMUP_ROUNDS + ROUNDS):
-        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for m in order:
             t = _time_per_call(runs[m], sets)
             if r >= WARMUP_ROUNDS:
                 times[m].append(t)
-    med = {m: statistics.median(ts) for m, ts in times.items()}
+    med = {m: statistics.median(times[m]) if m in times else math.nan for m in METHODS}
     gbs = {m: op_bytes / med[m] / 1e9 for m in METHODS}
-    del sets
+    del sets, runs  # the graphs hold their buffer sets
     torch.cuda.empty_cache()
     return {
         "shapes": name,
@@ -154,6 +184,8 @@ def measure(name: str, grad_key: str) -> dict:
         "foreach_pct_of_copy": 100 * gbs["foreach"] / gbs["copy"],
         "fused_vs_foreach": med["foreach"] / med["fused"],
         "fused_api_vs_foreach": med["foreach"] / med["fused_api"],
+        "fused_graph_pct_of_copy": 100 * gbs["fused_graph"] / gbs["copy"],
+        "fused_graph_vs_foreach_graph": med["foreach_graph"] / med["fused_graph"],
     }
 
 
@@ -190,18 +222,21 @@ def write(results: list[dict], out: Path) -> Path:
         f"{info['gpu']}, torch {info['torch']} (CUDA {info['cuda']}). Medians of {ROUNDS} interleaved rounds "
         f"after {WARMUP_ROUNDS} warm-up rounds; inputs rotated over buffer sets spanning >= {L2_MULTIPLE}x L2. "
         "GB/s counts read acc + write acc + read grad; copy = device-to-device copy of the same bytes. "
-        "fused = torch.ops call (C++ checks + kernel); fused_api adds the Python argument checks.",
+        "fused = torch.ops call (C++ checks + kernel); fused_api adds the Python argument checks; "
+        "graph = the same calls captured in a CUDA graph and replayed (device time, no host work).",
         "",
         "| shapes | grads | tensors | fused GB/s | % of copy | fused_api % of copy | foreach % of copy "
-        "| flat add_ % of copy | copy GB/s | fused vs foreach | fused_api vs foreach |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| flat add_ % of copy | copy GB/s | fused vs foreach | fused_api vs foreach "
+        "| fused graph % of copy | fused graph vs foreach graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         g = r["gb_per_s"]
         lines.append(
             f"| {r['shapes']} | {r['grads']} | {r['tensors']} | {g['fused']:.0f} | {r['fused_pct_of_copy']:.1f} "
             f"| {r['fused_api_pct_of_copy']:.1f} | {r['foreach_pct_of_copy']:.1f} | {r['flat_add_pct_of_copy']:.1f} "
-            f"| {g['copy']:.0f} | {r['fused_vs_foreach']:.2f}x | {r['fused_api_vs_foreach']:.2f}x |"
+            f"| {g['copy']:.0f} | {r['fused_vs_foreach']:.2f}x | {r['fused_api_vs_foreach']:.2f}x "
+            f"| {r['fused_graph_pct_of_copy']:.1f} | {r['fused_graph_vs_foreach_graph']:.2f}x |"
         )
     (out / "accumulate_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

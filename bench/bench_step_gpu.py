@@ -247,5 +247,39 @@ def test_gpu_step_overhead() -> None:
     assert all(by[(rule, 32)] <= max(by[(rule, 4)], 2) for rule in ("tokens", "samples")), by
 
 
+def test_gpu_step_profile() -> None:
+    """Where one ResNet-50 fp32 step's time goes, beside the hand loop's: torch.profiler's tables
+    (by host time and by device time) in ``step_gpu_profile.txt``, for the overhead the timings show."""
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("needs torchvision")
+    import torchvision
+    from _results import results_dir
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.backends.cudnn.allow_tf32 = True
+    B, m = 256, 64
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    ce = nn.CrossEntropyLoss()
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m)
+    runs = {"hand": hand_loop(model, opt, batch, lambda mod, mb: ce(mod(mb[0]), mb[1]), m, None, None),
+            "step": lambda: streamer.step(batch)}
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: ResNet-50 fp32/tf32 B={B} m={m}", ""]
+    for name, run in runs.items():
+        for _ in range(WARMUP):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        lines += [f"## {name}: by host time", averages.table(sort_by="self_cpu_time_total", row_limit=30), "",
+                  f"## {name}: by device time", averages.table(sort_by="self_device_time_total", row_limit=20), ""]
+    (results_dir("gpu") / "step_gpu_profile.txt").write_text("\n".join(lines) + "\n")
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-s"]))

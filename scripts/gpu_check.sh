@@ -10,8 +10,9 @@
 # Keeps going after a failing part, prints a summary, exits non-zero if any part failed.
 # Each part has its own time limit; GPU_CHECK_TABLE=0 skips the (longest) Table 4 part.
 # GPU_CHECK_ONLY="tests bench_accumulate_gpu" runs only the named parts (the build always
-# runs): parts are tests, bench_accumulate_gpu, bench_step_gpu, bench_ring_gpu,
-# bench_planner, table_gpu. Where one command may run 10 minutes at most, split the
+# runs): parts are cpp_errors, tests, bench_accumulate_gpu, bench_step_gpu,
+# bench_cached_loss_gpu, bench_tokens_gpu, bench_ring_gpu, bench_soak_gpu, bench_planner,
+# table_gpu. Where one command may run 10 minutes at most, split the
 # parts over several calls (a split for the device tool below).
 # GPU_CHECK_TAR=FILE also packs everything written to $OUT into one gzipped tar at the end,
 # for a runner that brings back only a few files.
@@ -87,8 +88,12 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 ARCH="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
 
-part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA=1 \
-  "$PY" setup.py build_ext --inplace
+# GPU_CHECK_BUILD=0: the extension is already built here (scripts/gpu_lease.sh runs parts side by
+# side after one build; two builds at once would share one build folder).
+if [ "${GPU_CHECK_BUILD:-1}" = 1 ]; then
+  part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA=1 \
+    "$PY" setup.py build_ext --inplace
+fi
 "$PY" -c 'import json, mbs_ext; print(json.dumps(mbs_ext.build_info()))' >> "$OUT/env.txt" 2>&1
 
 # torch 2.11 on the GPU machine: a fault message made inside the extension killed the
@@ -96,25 +101,29 @@ part build 180 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" MBS_EXT_CUDA
 part cpp_errors 240 env OUT="$OUT/diag" bash scripts/gpu_diag.sh
 
 if [ -n "${GPU_CHECK_JOBS:-}" ]; then
-  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --junitxml="$OUT/tests.xml" tests
+  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --durations=25 \
+    --junitxml="$OUT/tests.xml" tests
   # Each test that failed among the workers, again alone in one process.
   failed_ids() { grep -E "^(FAILED|ERROR) tests/" "$OUT/tests.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*$//' | sort -u; }
   if wanted tests && [ -f "$OUT/tests.log" ] && [ -n "$(failed_ids)" ]; then
     mapfile -t AGAIN < <(failed_ids)
-    part tests_alone 180 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${AGAIN[@]}"
+    part tests_alone 120 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${AGAIN[@]}"
   fi
 else
   part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
 fi
-for study in bench_accumulate_gpu bench_step_gpu bench_ring_gpu; do
+for study in bench_accumulate_gpu bench_step_gpu bench_cached_loss_gpu bench_tokens_gpu bench_ring_gpu \
+  bench_soak_gpu; do
   [ -f "bench/$study.py" ] && part "$study" 100 "$PY" -m pytest -q -s -p no:cacheprovider "bench/$study.py"
 done
 # The planner study's CUDA rows (the CPU rows are committed from CPU runs): one fresh child
 # per model and budget plans, then steps at the planned size; real/budget is
 # torch.cuda.max_memory_allocated over the allocation before the step, reserved/budget
 # the rise of max_memory_reserved (the caching allocator's footprint).
+# The children share the GPU, as many at once as the tests' workers.
 [ -f bench/bench_planner.py ] && part bench_planner 420 \
-  env MBS_PLANNER_DEVICES=cuda "$PY" -m pytest -q -s -p no:cacheprovider bench/bench_planner.py
+  env MBS_PLANNER_DEVICES=cuda MBS_PLANNER_JOBS="${GPU_CHECK_JOBS:-1}" \
+  "$PY" -m pytest -q -s -p no:cacheprovider bench/bench_planner.py
 if ! wanted table_gpu; then
   not_run table_gpu "not selected (GPU_CHECK_ONLY)"
 elif [ "${GPU_CHECK_TABLE:-1}" != 1 ]; then

@@ -48,6 +48,16 @@ def test_the_probe_tells_a_static_runtime_from_a_shared_one(setup_helpers, stati
 
 
 @needs_toolchain
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd")
+def test_without_readelf_the_probe_reads_ldd(setup_helpers, static_gxx, monkeypatch):
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "readelf" else which(name, *a, **k))
+    probe = setup_helpers["links_shared_runtime"]
+    assert probe("g++") is True
+    assert probe(static_gxx) is False
+
+
+@needs_toolchain
 def test_a_static_runtime_compiler_is_replaced_by_a_shared_one(setup_helpers, static_gxx):
     chosen = setup_helpers["choose_cxx"]({"CXX": static_gxx})
     assert chosen is not None and chosen["CXX"] != static_gxx

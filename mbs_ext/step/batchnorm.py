@@ -68,12 +68,24 @@ class _DeferredStats:
         if not (getattr(self, "_collecting", False) and self.training and self.track_running_stats):
             return super().forward(input)
         self._check_input_dim(input)
-        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        self._collect(input.detach())
+        if torch.promote_types(input.dtype, torch.float32) != self.running_mean.dtype:
+            out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            self._collect(input.detach())
+            return out
+        # The normalizing kernel computes the micro-batch's mean and unbiased variance anyway:
+        # with momentum 1 it writes them into two scratch buffers, so collecting costs no pass
+        # over the activation (a separate reduction read it three more times, a real share of a
+        # CNN's step on a GPU). The scratch buffers take the running buffers' dtype, which is
+        # the float32-or-wider one the separate reduction would have used.
+        mean, var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
+        out = F.batch_norm(input, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+        n = input.numel() // input.shape[1]
+        self._merge(n, mean, var * (n - 1))
         return out
 
     @torch.no_grad()
     def _collect(self, x: torch.Tensor) -> None:
+        """The same statistics by a separate reduction, for running buffers narrower than float32."""
         stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.to(stat_dtype)
         dims = [0, *range(2, x.dim())]
