@@ -316,3 +316,65 @@ def test_no_batchnorm_warning_where_the_step_is_the_full_batchs():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)
         mbs_ext.accumulate(BNFirst(nn.BatchNorm1d(3), 3).double(), x, loss_fn, micro_batch_size=4)
+
+
+def _calls(layers: list[nn.Module], device: str) -> None:
+    """Micro-batches of 5, 5 and 3 rows; layer 2 is called twice per micro-batch, on all
+    positions and on the first one only (its calls' shares differ from the others')."""
+    g = torch.Generator().manual_seed(3)
+    for rows in (5, 5, 3):
+        x = (torch.randn(rows, 4, 6, generator=g) * 3 + 1).to(device)
+        for i, layer in enumerate(layers):
+            y = x.to(layer.running_mean.dtype)
+            layer(y)
+            if i == 2:
+                layer(y[:, :, :1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layers_committed_together_equal_each_committed_alone(dtype, device):
+    """commit_all groups layers whose calls split the mini-batch alike and updates their running
+    statistics with multi-tensor operations; each layer's own commit() is the reference."""
+    from mbs_ext.step.batchnorm_rows import commit_all
+
+    def layers():
+        torch.manual_seed(0)
+        made = [nn.BatchNorm1d(4, momentum=0.1), nn.BatchNorm1d(4, momentum=0.1), nn.BatchNorm1d(4, momentum=0.1),
+                nn.BatchNorm1d(4, momentum=0.5), nn.BatchNorm1d(4, momentum=None), nn.BatchNorm1d(4)]
+        made = [mbs_ext.convert_batchnorm(m).to(device, dtype) for m in made]
+        made[-1].to(torch.bfloat16)  # narrower running buffers: statistics merged call by call
+        for m in made:
+            m.running_mean.uniform_(-1, 1)
+            m.begin_mini_batch()
+        return made
+
+    together, alone = layers(), layers()
+    for group in (together, alone):
+        with torch.no_grad():
+            _calls(group, device)
+    commit_all(together)
+    for layer in alone:
+        layer.commit()
+    for a, b in zip(together, alone):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            tol = 1e-2 if a.running_mean.dtype == torch.bfloat16 else 1e-6 if dtype == torch.float32 else 1e-12
+            assert rel_err(getattr(a, name).double(), getattr(b, name).double()) <= tol, name
+        assert not a._collecting and a._pending is None and not a._counts
+
+
+def test_rows_are_zeroed_after_a_discarded_mini_batch(device):
+    """A discarded mini-batch (rollback, probe) leaves no statistics in the rows: the next
+    mini-batch's running statistics equal a fresh layer's."""
+    torch.manual_seed(0)
+    used, fresh = (mbs_ext.convert_batchnorm(nn.BatchNorm1d(4)).to(device) for _ in range(2))
+    used.begin_mini_batch()
+    used(torch.full((3, 4), float("nan"), device=device))
+    used.discard()
+    x = torch.randn(6, 4, device=device)
+    for layer in (used, fresh):
+        layer.begin_mini_batch()
+        layer(x[:3])
+        layer(x[3:])
+        layer.commit()
+    torch.testing.assert_close(used.running_var, fresh.running_var)
+    torch.testing.assert_close(used.running_mean, fresh.running_mean)

@@ -117,7 +117,7 @@ COMPONENT_TESTS = {
         "mbs_ext.streaming.batch", "mbs_ext.streaming.ring", "mbs_ext.world", "mbs_ext.world.record",
         "mbs_ext.world.wrappers",
     },
-    "tests/test_batchnorm.py": {"mbs_ext.step.batchnorm"},
+    "tests/test_batchnorm.py": {"mbs_ext.step.batchnorm", "mbs_ext.step.batchnorm_rows"},
     "tests/test_batchnorm_ranks.py": {"mbs_ext.world.pairing"},
     "tests/test_ring.py": {"mbs_ext.streaming.ring"},
     "tests/test_scale_accumulate.py": {"mbs_ext.step.grads", "mbs_ext.memory.planner"},

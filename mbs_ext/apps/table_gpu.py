@@ -39,7 +39,7 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import mbs_ext
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the cap wants an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_bytes"] / total), device)
     torch.backends.cudnn.benchmark = True

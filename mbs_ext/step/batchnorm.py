@@ -44,25 +44,33 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mbs_ext.messages import caller_stacklevel
+from mbs_ext.step import batchnorm_rows as rows
 from mbs_ext.step.global_batchnorm import AcrossRanks
 
 
 class _DeferredStats:
-    """Mixin holding the pending per-channel (count, mean, M2) of one mini-batch."""
+    """Mixin holding the pending per-channel (count, mean, M2) of one mini-batch: the rows the
+    normalizing kernel writes (:mod:`mbs_ext.step.batchnorm_rows`, one per call), and what
+    ``_merge`` adds from elsewhere (running buffers narrower than float32, the across-ranks
+    layers)."""
 
     def _deferred_init(self) -> None:
         self._collecting = False
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._counts: list[int] = []  # values per channel of each call that wrote a row
 
     def begin_mini_batch(self) -> None:
         """Start collecting: running statistics stay untouched until ``commit``."""
         self._collecting = True
         self._pending = None
+        self._counts = []
 
     def discard(self) -> None:
         """Drop the pending statistics and go back to plain BatchNorm behaviour."""
+        rows.clear(self, len(self.__dict__.get("_counts") or ()))
         self._collecting = False
         self._pending = None
+        self._counts = []
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.BatchNorm's name
         if not (getattr(self, "_collecting", False) and self.training and self.track_running_stats):
@@ -72,15 +80,12 @@ class _DeferredStats:
             out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
             self._collect(input.detach())
             return out
-        # The normalizing kernel computes the micro-batch's mean and unbiased variance anyway:
-        # with momentum 1 it writes them into two scratch buffers, so collecting costs no pass
-        # over the activation (a separate reduction read it three more times, a real share of a
-        # CNN's step on a GPU). The scratch buffers take the running buffers' dtype, which is
-        # the float32-or-wider one the separate reduction would have used.
-        mean, var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
+        # The kernel computes the call's mean and unbiased variance anyway and, with momentum 1,
+        # writes them into the call's row (a separate reduction read the activation three more
+        # times). The rows take the running buffers' dtype: float32 or wider here.
+        mean, var = rows.row(self, len(self._counts))
         out = F.batch_norm(input, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-        n = input.numel() // input.shape[1]
-        self._merge(n, mean, var * (n - 1))
+        self._counts.append(input.numel() // input.shape[1])
         return out
 
     @torch.no_grad()
@@ -108,6 +113,9 @@ class _DeferredStats:
     @torch.no_grad()
     def commit(self) -> None:
         """Fold the mini-batch statistics into the running buffers, as one forward would."""
+        counts, self._counts = self.__dict__.get("_counts") or [], []
+        if counts:
+            self._merge(*rows.fold(self, counts))
         pending, self._pending = self._pending, None
         self._collecting = False
         if pending is None or not self.track_running_stats:
@@ -314,7 +322,7 @@ class _Deferring:
     def __exit__(self, *exc: object) -> None:
         for m, original in self.swapped:
             m.__class__ = original
-            for attr in ("_collecting", "_pending", "_turn"):
+            for attr in ("_collecting", "_pending", "_turn", "_counts"):
                 m.__dict__.pop(attr, None)
         self.swapped = []
 
