@@ -101,7 +101,8 @@ fi
 part cpp_errors 240 env OUT="$OUT/diag" bash scripts/gpu_diag.sh
 
 if [ -n "${GPU_CHECK_JOBS:-}" ]; then
-  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --durations=25 \
+  # -v: each result is named as it comes, so a run cut off by its limit still names its failures.
+  part tests 300 "$PY" -m pytest -v -p no:cacheprovider -rfEs -n "$GPU_CHECK_JOBS" --durations=25 \
     --junitxml="$OUT/tests.xml" tests
   # Each test that failed among the workers, again alone in one process.
   failed_ids() { grep -E "^(FAILED|ERROR) tests/" "$OUT/tests.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*$//' | sort -u; }
@@ -110,7 +111,7 @@ if [ -n "${GPU_CHECK_JOBS:-}" ]; then
     part tests_alone 120 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${AGAIN[@]}"
   fi
 else
-  part tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
+  part tests 300 "$PY" -m pytest -v -p no:cacheprovider -rfEs --junitxml="$OUT/tests.xml" tests
 fi
 for study in bench_accumulate_gpu bench_step_gpu bench_cached_loss_gpu bench_tokens_gpu bench_ring_gpu \
   bench_soak_gpu; do

@@ -7,7 +7,10 @@
 #      does not, and is not a target);
 #   3. Table 4 (throughput) alone, in what is left.
 # Everything lands in $OUT/gpu_check.tgz (the tool brings back few files) and each phase's
-# summary is printed.
+# summary is printed. On an H200 (2026-11-27) the build and the studies took 190 s and the
+# planner 107 s, but the suite did not end in 271 s on 10 workers: in one 15-minute lease, give
+# the suite a call of its own (GPU_CHECK_ONLY=tests GPU_CHECK_JOBS=14 bash scripts/gpu_check.sh)
+# and this script, with LEASE_SUITE=0 (no suite in phase 2), the rest.
 #   OUT=/some/dir LEASE_S=560 bash scripts/gpu_lease.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +36,20 @@ cat "$W/timing/summary.txt"
 
 echo "=== phase 2: the suite beside the planner study ($(left)s left)"
 P2=$(($(left) - 70))
-OUT="$W/suite" GPU_CHECK_BUILD=0 GPU_CHECK_ONLY=tests GPU_CHECK_JOBS=10 GPU_CHECK_DEADLINE_S=$P2 \
-  bash scripts/gpu_check.sh > "$W/suite.console" 2>&1 &
-suite=$!
+suite=
+if [ "${LEASE_SUITE:-1}" = 1 ]; then
+  OUT="$W/suite" GPU_CHECK_BUILD=0 GPU_CHECK_ONLY=tests GPU_CHECK_JOBS=10 GPU_CHECK_DEADLINE_S=$P2 \
+    bash scripts/gpu_check.sh > "$W/suite.console" 2>&1 &
+  suite=$!
+fi
 OUT="$W/planner" GPU_CHECK_BUILD=0 GPU_CHECK_ONLY=bench_planner GPU_CHECK_JOBS=4 GPU_CHECK_DEADLINE_S=$P2 \
   bash scripts/gpu_check.sh > "$W/planner.console" 2>&1
-wait "$suite"
-cat "$W/suite/summary.txt" "$W/planner/summary.txt"
-grep -E "^(FAILED|ERROR) |passed|failed" "$W/suite/tests.log" | tail -n 40
+[ -z "$suite" ] || wait "$suite"
+cat "$W/planner/summary.txt"
+if [ -n "$suite" ]; then
+  cat "$W/suite/summary.txt"
+  grep -E "(FAILED|ERROR) |passed|failed" "$W/suite/tests.log" | tail -n 40
+fi
 
 echo "=== phase 3: Table 4 ($(left)s left)"
 OUT="$W/table" GPU_CHECK_BUILD=0 GPU_CHECK_ONLY=table_gpu GPU_CHECK_DEADLINE_S=$(($(left) - 10)) \

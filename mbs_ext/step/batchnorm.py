@@ -3,10 +3,11 @@
 During a micro-batch streamed step a plain ``nn.BatchNorm`` would update its running
 statistics once per micro-batch, from micro-batch statistics, so they would differ from
 a full-batch forward. The deferred twins here keep the running buffers untouched while
-the mini-batch streams, merge each micro-batch's per-channel (count, mean, M2) with the
-parallel-variance rule, and commit once at the end -- with the unbiased n/(n-1)
-correction over the whole mini-batch -- so running_mean, running_var and
-num_batches_tracked equal one full-batch ``nn.BatchNorm`` forward.
+the mini-batch streams, keep each micro-batch's per-channel mean and variance (the
+normalizing kernel writes them: :mod:`mbs_ext.step.batchnorm_rows`), and at the end merge
+them into the mini-batch's (count, mean, M2) with the parallel-variance rule and commit once
+-- with the unbiased n/(n-1) correction over the whole mini-batch -- so running_mean,
+running_var and num_batches_tracked equal one full-batch ``nn.BatchNorm`` forward.
 
 Limit: in training, each micro-batch is still *normalized* with its own batch
 statistics (the full-batch statistics are not known until the whole mini-batch has
