@@ -169,14 +169,20 @@ def _resnet_rows() -> list[dict]:
             return ce(mod(mb[0]), mb[1])
 
         streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m, autocast_dtype=dtype)
+        # The hand loop copies from a batch pinned once, outside the timing; the step is given
+        # the pageable batch (its ring stages it every step) and, as "step_pinned", that same
+        # pinned batch: the difference is the staging, not the step's own work.
+        pinned = [t.pin_memory() for t in batch]
         med = interleave({
             "full": full_batch(model, opt, batch, call, dtype),
             "hand": hand_loop(model, opt, batch, call, m, dtype, None),
             "step": lambda streamer=streamer: streamer.step(batch),
+            "step_pinned": lambda streamer=streamer, pinned=pinned: streamer.step(pinned),
         })
         rows.append({"workload": f"resnet50 {'bf16' if dtype else 'fp32/tf32'} B={B} m={m}",
                      "full_ms": med["full"] * 1e3, "hand_ms": med["hand"] * 1e3, "step_ms": med["step"] * 1e3,
-                     "step/hand": med["step"] / med["hand"], "step/full": med["step"] / med["full"]})
+                     "step/hand": med["step"] / med["hand"], "step/full": med["step"] / med["full"],
+                     "pinned step/hand": med["step_pinned"] / med["hand"]})
     return rows
 
 
@@ -191,16 +197,18 @@ def _lm_rows() -> list[dict]:
     tokens = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=token_count,
                                         autocast_dtype=bf16)
     samples = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, autocast_dtype=bf16)
+    pinned = {k: v.pin_memory() for k, v in batch.items()}
     med = interleave({
         "full": full_batch(model, opt, batch, lm_loss, bf16),
         "hand": hand_loop(model, opt, batch, lm_loss, m, bf16, counts),
         "step_tokens": lambda: tokens.step(batch),
+        "step_tokens_pinned": lambda: tokens.step(pinned),
         "step_samples": lambda: samples.step(batch),
     })
     return [{"workload": f"gpt2-small bf16 B={B} T={T} m={m}", "full_ms": med["full"] * 1e3,
              "hand_ms": med["hand"] * 1e3, "step_ms": med["step_tokens"] * 1e3,
              "step/hand": med["step_tokens"] / med["hand"], "step/full": med["step_tokens"] / med["full"],
-             "samples_step_ms": med["step_samples"] * 1e3}]
+             "pinned step/hand": med["step_tokens_pinned"] / med["hand"], "samples_step_ms": med["step_samples"] * 1e3}]
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
@@ -247,27 +255,12 @@ def test_gpu_step_overhead() -> None:
     assert all(by[(rule, 32)] <= max(by[(rule, 4)], 2) for rule in ("tokens", "samples")), by
 
 
-def test_gpu_step_profile() -> None:
-    """Where one ResNet-50 fp32 step's time goes, beside the hand loop's: torch.profiler's tables
-    (by host time and by device time) in ``step_gpu_profile.txt``, for the overhead the timings show."""
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("needs torchvision")
-    import torchvision
+def _profile(runs: dict[str, Callable[[], object]], title: str, filename: str) -> None:
+    """torch.profiler's tables of one run of each (by host time and by device time) into ``filename``."""
     from _results import results_dir
     from torch.profiler import ProfilerActivity, profile
 
-    torch.backends.cudnn.allow_tf32 = True
-    B, m = 256, 64
-    g = torch.Generator().manual_seed(0)
-    batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
-    torch.manual_seed(0)
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    ce = nn.CrossEntropyLoss()
-    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m)
-    runs = {"hand": hand_loop(model, opt, batch, lambda mod, mb: ce(mod(mb[0]), mb[1]), m, None, None),
-            "step": lambda: streamer.step(batch)}
-    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: ResNet-50 fp32/tf32 B={B} m={m}", ""]
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {title}", ""]
     for name, run in runs.items():
         for _ in range(WARMUP):
             run()
@@ -278,7 +271,38 @@ def test_gpu_step_profile() -> None:
         averages = prof.key_averages()
         lines += [f"## {name}: by host time", averages.table(sort_by="self_cpu_time_total", row_limit=30), "",
                   f"## {name}: by device time", averages.table(sort_by="self_device_time_total", row_limit=20), ""]
-    (results_dir("gpu") / "step_gpu_profile.txt").write_text("\n".join(lines) + "\n")
+    (results_dir("gpu") / filename).write_text("\n".join(lines) + "\n")
+
+
+def test_gpu_step_profile() -> None:
+    """Where one ResNet-50 fp32 step's time goes, and one GPT-2-small bf16 step's with token
+    counts, beside the hand loop's: ``step_gpu_profile.txt``, ``step_gpu_profile_gpt2.txt``."""
+    torch.backends.cudnn.allow_tf32 = True
+    if importlib.util.find_spec("torchvision") is not None:
+        import torchvision
+
+        B, m = 256, 64
+        g = torch.Generator().manual_seed(0)
+        batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        ce = nn.CrossEntropyLoss()
+        streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m)
+        _profile({"hand": hand_loop(model, opt, batch, lambda mod, mb: ce(mod(mb[0]), mb[1]), m, None, None),
+                  "step": lambda: streamer.step(batch)}, f"ResNet-50 fp32/tf32 B={B} m={m}", "step_gpu_profile.txt")
+        del model, opt, streamer
+    B, T, m, vocab = 32, 512, 8, 50257
+    batch = lm_batch(B, T, vocab)
+    counts = [float((batch["labels"][s:s + m] != IGNORE).sum()) for s in range(0, B, m)]
+    torch.manual_seed(0)
+    model = CausalLM(vocab=vocab, T=T).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    tokens = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=token_count,
+                                        autocast_dtype=torch.bfloat16)
+    _profile({"hand": hand_loop(model, opt, batch, lm_loss, m, torch.bfloat16, counts),
+              "step": lambda: tokens.step(batch)}, f"GPT-2-small bf16 B={B} T={T} m={m}, token counts",
+             "step_gpu_profile_gpt2.txt")
 
 
 if __name__ == "__main__":
