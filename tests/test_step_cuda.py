@@ -309,7 +309,7 @@ def holder(obj, depth=4, _mine={}):
 
 _seen = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
 holders = []
-for _i in range(min(6, len(_seen))):  # by index: a slice's list would hold them too
+for _i in range(min(10, len(_seen))):  # by index: a slice's list would hold them too
     _t = _seen[_i]
     holders.append(f"{tuple(_t.shape)} {_t.dtype}: {holder(_t)}")
 torch.save({"params": params, "grads": grads, "steps": steps, "peak_reserved": peak_reserved,
