@@ -45,7 +45,7 @@ def encode(model: Encoder, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def info_nce(model: Encoder, enc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     a, b = (F.normalize(t, dim=1) for t in enc)
     logits = a @ b.t() / model.log_temperature.exp()
-    return F.cross_entropy(logits, torch.arange(a.shape[0]))
+    return F.cross_entropy(logits, torch.arange(a.shape[0], device=logits.device))
 
 
 def batch() -> dict:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
-import time
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _cuda import peak_above_start, rotating_medians
 from _results import write
+from bench_cached_loss import encode, info_nce
 from torch import nn
 
 import mbs_ext
@@ -51,16 +50,6 @@ class Encoder(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.proj(self.layers(self.tok(ids)).mean(1))
-
-
-def encode(model: Encoder, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    return model(mb["a"]), model(mb["b"])
-
-
-def info_nce(model: Encoder, enc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    a, b = (F.normalize(t, dim=1) for t in enc)
-    logits = a @ b.t() / model.log_temperature.exp()
-    return F.cross_entropy(logits, torch.arange(a.shape[0], device=logits.device))
 
 
 def host_batch() -> dict:
@@ -88,23 +77,6 @@ def steps(data: dict) -> tuple[dict, dict]:
     return {"full": full, "cached": lambda: cached.step(data), "plain": lambda: plain.step(data)}, models
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def peak_above_start(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
-
-
 def gradient_error(model: nn.Module, reference: nn.Module) -> float:
     scale = max(float(p.grad.abs().max()) for p in reference.parameters())
     return max(float((p.grad - r.grad).abs().max()) for p, r in zip(model.parameters(), reference.parameters())) / scale
@@ -118,12 +90,7 @@ def test_cached_loss_gpu() -> None:
     for run in runs.values():  # warm-up: kernels, rings, buffers
         run()
     errors = {k: gradient_error(models[k], models["full"]) for k in runs}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(ROUNDS):
-        order = list(runs)[r % 3:] + list(runs)[:r % 3]
-        for k in order:
-            times[k].append(timed(runs[k]))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = rotating_medians(runs, ROUNDS)
     peaks = {k: peak_above_start(run) for k, run in runs.items()}
     rows = [{"step": k, "median_ms": med[k] * 1e3, "time / full": med[k] / med["full"],
              "time / plain": med[k] / med["plain"], "peak_MiB": peaks[k] / 2**20,

@@ -24,13 +24,13 @@ import importlib.util
 import json
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _cuda import timed
 from torch import nn
 
 import mbs_ext
@@ -78,14 +78,6 @@ def lm_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)  # ragged documents: padding ignored
     labels[torch.arange(T)[None, :] >= lengths[:, None]] = IGNORE
     return {"ids": ids, "labels": labels}
-
-
-def timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def interleave(variants: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -150,25 +142,32 @@ def write(study: str, rows: list[dict], extra: dict) -> None:
     print(f"wrote {out / study}.json and .md")
 
 
+def _resnet(dtype: torch.dtype | None, B: int = 256, m: int = 64) -> tuple:
+    """ResNet-50 (channels_last) on the GPU, its optimizer, loss call and streamer, and a host
+    batch of B ImageNet-shaped rows (torchvision needed)."""
+    import torchvision
+
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    ce = nn.CrossEntropyLoss()
+
+    def call(mod, mb):
+        return ce(mod(mb[0]), mb[1])
+
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m, autocast_dtype=dtype)
+    return batch, model, opt, call, streamer
+
+
 def _resnet_rows() -> list[dict]:
     if importlib.util.find_spec("torchvision") is None:
         return []
-    import torchvision
-
     rows = []
     B, m = 256, 64
-    g = torch.Generator().manual_seed(0)
-    batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
     for dtype in (None, torch.bfloat16):
-        torch.manual_seed(0)
-        model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        ce = nn.CrossEntropyLoss()
-
-        def call(mod, mb, ce=ce):
-            return ce(mod(mb[0]), mb[1])
-
-        streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m, autocast_dtype=dtype)
+        batch, model, opt, call, streamer = _resnet(dtype, B, m)
         # The hand loop copies from a batch pinned once, outside the timing; the step is given
         # the pageable batch (its ring stages it every step) and, as "step_pinned", that same
         # pinned batch: the difference is the staging, not the step's own work.
@@ -176,7 +175,7 @@ def _resnet_rows() -> list[dict]:
         med = interleave({
             "full": full_batch(model, opt, batch, call, dtype),
             "hand": hand_loop(model, opt, batch, call, m, dtype, None),
-            "step": lambda streamer=streamer: streamer.step(batch),
+            "step": lambda streamer=streamer, batch=batch: streamer.step(batch),
             "step_pinned": lambda streamer=streamer, pinned=pinned: streamer.step(pinned),
         })
         rows.append({"workload": f"resnet50 {'bf16' if dtype else 'fp32/tf32'} B={B} m={m}",
@@ -186,16 +185,24 @@ def _resnet_rows() -> list[dict]:
     return rows
 
 
-def _lm_rows() -> list[dict]:
-    B, T, m, vocab = 32, 512, 8, 50257
+def _lm(B: int = 32, T: int = 512, m: int = 8, vocab: int = 50257) -> tuple:
+    """The GPT-2-small-sized LM on the GPU, its fused AdamW, a host batch of B ragged rows of T
+    tokens, each micro-batch's token count (for the hand loop), and a bf16 streamer that counts
+    tokens on the device."""
     batch = lm_batch(B, T, vocab)
     counts = [float((batch["labels"][s:s + m] != IGNORE).sum()) for s in range(0, B, m)]
     torch.manual_seed(0)
     model = CausalLM(vocab=vocab, T=T).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    bf16 = torch.bfloat16
     tokens = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=token_count,
-                                        autocast_dtype=bf16)
+                                        autocast_dtype=torch.bfloat16)
+    return batch, counts, model, opt, tokens
+
+
+def _lm_rows() -> list[dict]:
+    B, T, m = 32, 512, 8
+    batch, counts, model, opt, tokens = _lm(B, T, m)
+    bf16 = torch.bfloat16
     samples = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, autocast_dtype=bf16)
     pinned = {k: v.pin_memory() for k, v in batch.items()}
     med = interleave({
@@ -279,27 +286,13 @@ def test_gpu_step_profile() -> None:
     counts, beside the hand loop's: ``step_gpu_profile.txt``, ``step_gpu_profile_gpt2.txt``."""
     torch.backends.cudnn.allow_tf32 = True
     if importlib.util.find_spec("torchvision") is not None:
-        import torchvision
-
         B, m = 256, 64
-        g = torch.Generator().manual_seed(0)
-        batch = [torch.randn(B, 3, 224, 224, generator=g), torch.randint(0, 1000, (B,), generator=g)]
-        torch.manual_seed(0)
-        model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        ce = nn.CrossEntropyLoss()
-        streamer = mbs_ext.MicroBatchStreamer(model, opt, ce, micro_batch_size=m)
-        _profile({"hand": hand_loop(model, opt, batch, lambda mod, mb: ce(mod(mb[0]), mb[1]), m, None, None),
+        batch, model, opt, call, streamer = _resnet(None, B, m)
+        _profile({"hand": hand_loop(model, opt, batch, call, m, None, None),
                   "step": lambda: streamer.step(batch)}, f"ResNet-50 fp32/tf32 B={B} m={m}", "step_gpu_profile.txt")
         del model, opt, streamer
-    B, T, m, vocab = 32, 512, 8, 50257
-    batch = lm_batch(B, T, vocab)
-    counts = [float((batch["labels"][s:s + m] != IGNORE).sum()) for s in range(0, B, m)]
-    torch.manual_seed(0)
-    model = CausalLM(vocab=vocab, T=T).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    tokens = mbs_ext.MicroBatchStreamer(model, opt, lm_loss, micro_batch_size=m, normalize=token_count,
-                                        autocast_dtype=torch.bfloat16)
+    B, T, m = 32, 512, 8
+    batch, counts, model, opt, tokens = _lm(B, T, m)
     _profile({"hand": hand_loop(model, opt, batch, lm_loss, m, torch.bfloat16, counts),
               "step": lambda: tokens.step(batch)}, f"GPT-2-small bf16 B={B} T={T} m={m}, token counts",
              "step_gpu_profile_gpt2.txt")

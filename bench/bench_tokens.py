@@ -37,18 +37,23 @@ def lengths_of(kind: str) -> torch.Tensor:
 
 
 def padded_batch(kind: str) -> dict:
-    lengths = lengths_of(kind)
-    real = torch.arange(WIDTH) < lengths[:, None]
-    ids = torch.randint(0, VOCAB, (N, WIDTH), generator=torch.Generator().manual_seed(1)).masked_fill(~real, 0)
+    return pad(lengths_of(kind), WIDTH, VOCAB, torch.Generator().manual_seed(1))
+
+
+def pad(lengths: torch.Tensor, width: int, vocab: int, g: torch.Generator) -> dict:
+    """Random token rows of ``lengths`` padded to ``width``: ids, attention mask, labels (-100 on padding)."""
+    real = torch.arange(width) < lengths[:, None]
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=g).masked_fill(~real, 0)
     return {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~real, -100)}
 
 
-def gpt2() -> torch.nn.Module:
+def gpt2(vocab: int = VOCAB, width: int = WIDTH, n_embd: int = 128, n_layer: int = 2,
+         n_head: int = 4) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(vocab_size=vocab, n_positions=width, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 

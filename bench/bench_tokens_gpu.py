@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
-import time
 
 import pytest
 import torch
+from _cuda import peak_above_start, rotating_medians
 from _results import write
 
 import mbs_ext
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 transformers = pytest.importorskip("transformers")
+from bench_tokens import count, gpt2, loss_fn, pad  # noqa: E402 - needs transformers
 
 N, WIDTH, VOCAB, ROWS = 256, 1024, 8192, 16
 BUDGETS = (8192, 16384, 32768)
@@ -37,49 +37,13 @@ ROUNDS = int(os.environ.get("MBS_BENCH_ROUNDS", "7"))
 def padded_batch() -> dict:
     g = torch.Generator().manual_seed(0)
     lengths = (torch.randn(N, generator=g) * 0.6 + torch.tensor(160.0).log()).exp().round().clamp(1, WIDTH).long()
-    real = torch.arange(WIDTH) < lengths[:, None]
-    ids = torch.randint(0, VOCAB, (N, WIDTH), generator=g).masked_fill(~real, 0)
-    return {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~real, -100)}
-
-
-def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=512, n_layer=6, n_head=8, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
-
-
-def loss_fn(model, batch):
-    return model(**batch).loss
-
-
-def count(batch):
-    return (batch["labels"][:, 1:] != -100).sum()
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def peak_above_start(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
+    return pad(lengths, WIDTH, VOCAB, g)
 
 
 def test_token_budget_gpu() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     batch = padded_batch()
-    base = gpt2().cuda()
+    base = gpt2(VOCAB, WIDTH, n_embd=512, n_layer=6, n_head=8).cuda()
     splits = {f"rows m={ROWS}": {"micro_batch_size": ROWS}}
     splits |= {f"tokens T={t}": {"micro_batch_tokens": t} for t in BUDGETS}
     runs, losses, counts = {}, {}, {}
@@ -91,14 +55,9 @@ def test_token_budget_gpu() -> None:
         counts[name] = (mbs_ext.plan_tokens(batch["attention_mask"].sum(1), split["micro_batch_tokens"])
                         .num_micro_batches if "micro_batch_tokens" in split else N // ROWS)
         runs[name] = lambda streamer=streamer: streamer.step(batch)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    names = list(runs)
-    for r in range(ROUNDS):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(timed(runs[k]))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = rotating_medians(runs, ROUNDS)
     peaks = {k: peak_above_start(run) for k, run in runs.items()}
-    rows_name = names[0]
+    rows_name = next(iter(runs))
     table = [{"split": k, "median_ms": med[k] * 1e3, "time / rows": med[k] / med[rows_name],
               "peak_MiB": peaks[k] / 2**20, "micro_batches": counts[k], "loss": losses[k]} for k in runs]
     write("tokens_gpu", {"N": N, "width": WIDTH, "rows": ROWS, "budgets": list(BUDGETS), "rounds": ROUNDS,

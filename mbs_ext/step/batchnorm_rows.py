@@ -53,17 +53,26 @@ def clear(layer: torch.nn.Module, used: int) -> None:
         entry[0][:, :used].zero_()
 
 
+def _moments(rows: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the (2, k, channels) rows of calls that hold ``counts[i] / sum(counts)`` of the values
+    in every channel: the mean ``sum w_i M_i``, the spread ``sum w_i V_i + sum w_i (M_i - M)^2`` and
+    ``sum V_i``, so that ``M2 = N * spread - sum V_i`` for a channel of ``N`` values."""
+    means, variances = rows[0], rows[1]
+    total = sum(counts)
+    # The weights in one host-to-device copy (non-blocking: no sync).
+    weight = torch.tensor([c / total for c in counts], dtype=means.dtype).to(means.device, non_blocking=True)[:, None]
+    mean = (means * weight).sum(0)
+    spread = (variances * weight).sum(0).add_(((means - mean).square_() * weight).sum(0))
+    return mean, spread, variances.sum(0)
+
+
 @torch.no_grad()
 def fold(layer: torch.nn.Module, counts: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
     """One layer's calls, ``counts[i]`` values per channel each, into (count, mean, M2)."""
     rows = _ROWS[layer][0]
     k, total = len(counts), sum(counts)
-    means, variances = rows[0, :k], rows[1, :k]
-    # n - 1 and n / total per call in one host-to-device copy (non-blocking: no sync).
-    table = torch.tensor([[c - 1 for c in counts], [c / total for c in counts]], dtype=means.dtype)
-    less_one, weight = table.to(means.device, non_blocking=True).unsqueeze(-1)
-    mean = (means * weight).sum(0)
-    m2 = (variances * less_one).sum(0).add_(((means - mean).square_() * weight).sum(0), alpha=total)
+    mean, spread, variance_sum = _moments(rows[:, :k], counts)
+    m2 = spread.mul_(total).sub_(variance_sum)
     rows[:, :k].zero_()
     return total, mean, m2
 
@@ -91,23 +100,19 @@ def commit_all(layers: list) -> None:
             layer.commit()
         else:
             groups.setdefault(key, []).append(layer)
-    for (_, dtype, momentum, _), group in groups.items():
-        _commit_group(group, dtype, momentum)
+    for (_, _, momentum, _), group in groups.items():
+        _commit_group(group, momentum)
 
 
-def _commit_group(group: list, dtype: torch.dtype, momentum: float) -> None:
+def _commit_group(group: list, momentum: float) -> None:
     counts = group[0]._counts
     k, sizes = len(counts), [layer.running_mean.numel() for layer in group]
     buffers = [_ROWS[layer][0] for layer in group]
-    rows = torch.cat([b[:, :k] for b in buffers], dim=2)  # (2, k, all channels)
-    means, variances = rows[0], rows[1]
-    total = sum(counts)
-    weight = torch.tensor([c / total for c in counts], dtype=dtype).to(means.device, non_blocking=True)[:, None]
-    mean = (means * weight).sum(0)
-    spread = (variances * weight).sum(0).add_(((means - mean).square_() * weight).sum(0))
+    mean, spread, variance_sum = _moments(torch.cat([b[:, :k] for b in buffers], dim=2), counts)
     totals = [sum(layer._counts) for layer in group]
+    # var = M2 / (N - 1) per layer, N its values per channel.
     var = torch._foreach_mul(spread.split(sizes), [n / (n - 1) for n in totals])
-    torch._foreach_sub_(var, torch._foreach_mul(variances.sum(0).split(sizes), [1 / (n - 1) for n in totals]))
+    torch._foreach_sub_(var, torch._foreach_mul(variance_sum.split(sizes), [1 / (n - 1) for n in totals]))
     torch._foreach_add_([layer.num_batches_tracked for layer in group], 1)
     for running, new in (([layer.running_mean for layer in group], mean.split(sizes)),
                          ([layer.running_var for layer in group], var)):
