@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from mbs_ext.counts.sources import INVALID_COUNT, Count, Source, local_total
+from mbs_ext.counts.ledger import Ledger
+from mbs_ext.counts.sources import INVALID_COUNT, Count, Source
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ def rule_of(normalize: Any) -> Rule:
 class Normalizer:
     """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches.
 
-    Per micro-batch it only records (the count, the detached loss): the totals, the loss
-    and the validation of device counts are computed in a few vectorized operations when
-    the step settles, so the cost per micro-batch does not grow with bookkeeping.
+    Per micro-batch it only copies the count and the detached loss into the step's
+    :class:`~mbs_ext.counts.ledger.Ledger` (a fixed block, folded as it fills): what a step
+    keeps does not grow with its micro-batches, and the totals, the loss and the validation of
+    device counts take a few vectorized operations per block.
     """
 
     def __init__(self, rule: Rule, source: Source, *, num_micro_batches: int, device: torch.device) -> None:
@@ -63,21 +65,19 @@ class Normalizer:
         self.num_mb = num_micro_batches
         self.device = device
         self.is_sum = rule.kind == "sum"
-        self.counts: list[Count] = []
-        self.losses: list[tuple[int, torch.Tensor, Count]] = []  # (index, detached loss, count)
+        self.ledger = Ledger(device, num_micro_batches)
+        # Each micro-batch's (start, stop) positions, for messages: two host ints per micro-batch,
+        # the size of the split itself.
         self.rows_of: list[tuple[int, int]] = []
         # How messages name the rows at positions [start, stop): the split's own words (the step
         # sets them; under a token split positions are not row numbers).
         self.describe_rows: Callable[[int, int], str] = lambda start, stop: f"rows [{start}, {stop})"
         self.loss_sum: torch.Tensor | None = None  # set by settle (global across ranks)
-        self.counted: list[tuple[torch.Tensor, Count]] = []  # one process, host counts: read one by one
         self.total: Count | None = None  # the global D, once settled
         self.settled = False
-        # 1 + the position of this rank's first invalid device count among them (0: none), and
-        # whether any rank had one (across ranks): device values until the finish reads them.
-        self.invalid_at: torch.Tensor | float = 0.0
+        # Whether any rank had an invalid device count (across ranks): a device value until the
+        # finish reads it. This rank's own mark is the ledger's ``invalid_at``.
         self.invalid_anywhere: torch.Tensor | float = 0.0
-        self._device_index: list[int] = []  # which counts are device tensors (set by _local_total)
         self.denom: Count | None = 1.0 if self.is_sum else source.total()
         self.exact = self.is_sum  # every weight is final from the first micro-batch
 
@@ -91,14 +91,14 @@ class Normalizer:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
         self.rows_of.append(rows)
         c = self.source.take(micro_batch, rows)
-        self.counts.append(c)
+        self.ledger.count(len(self.rows_of) - 1, c)
         if self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c
 
     def add_loss(self, loss: torch.Tensor, c: Count) -> None:
         """Record the micro-batch's loss; it counts ``c`` times in the mini-batch loss."""
-        self.losses.append((len(self.rows_of) - 1, loss, c))
+        self.ledger.loss(loss)
 
     def weight(self, c: Count) -> Count:
         """The gradient weight of a micro-batch before the total is known (``c / provisional D``)."""
@@ -108,35 +108,27 @@ class Normalizer:
         """The exact weight of a micro-batch after :meth:`settle`."""
         return c / self.total
 
+    @property
+    def invalid_at(self) -> torch.Tensor | float:
+        """1 + the position of this rank's first invalid device count (0: none), on the device."""
+        return self.ledger.invalid_at
+
     def local_values(self) -> tuple[Count, torch.Tensor, Count]:
         """This rank's part of the step's collective: its total count, its ``sum_i c_i * loss_i``
         and whether one of its device counts is invalid (all on the device, no read)."""
-        total = self._local_total()
-        flag = (self.invalid_at > 0).to(torch.float64) if isinstance(self.invalid_at, torch.Tensor) else 0.0
-        return total, _loss_sum(self.losses, self.device), flag
+        total, loss_sum = self.ledger.totals()
+        invalid_at = self.ledger.invalid_at
+        flag = (invalid_at > 0).to(torch.float64) if isinstance(invalid_at, torch.Tensor) else 0.0
+        return (1.0 if self.is_sum else total), loss_sum, flag
 
     def settle(self, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """The totals: this process's own, or ``shared`` - the ranks' sums of :meth:`local_values`."""
         if shared is None:
-            total = self._local_total()
-            # Host counts: the losses are read as they are and weighed on the host (check).
-            on_host = not self._device_index
-            self.loss_sum = None if on_host else _loss_sum(self.losses, self.device)
-            self.counted = [(loss, c) for _, loss, c in self.losses if c != 0] if on_host else []  # no NaN mean
+            total, self.loss_sum = self.ledger.totals()
         else:
             total, self.loss_sum, self.invalid_anywhere = shared
         self.total = 1.0 if self.is_sum else total
         self.settled = True
-
-    def _local_total(self) -> Count:
-        """This rank's total count; device counts are validated here, on the device."""
-        if self.is_sum:
-            return 1.0
-        self._device_index = [i for i, c in enumerate(self.counts) if isinstance(c, torch.Tensor)]
-        if self._device_index:
-            counts = torch.stack([self.counts[i] for i in self._device_index])
-            self.invalid_at = _first_position(~((counts >= 0) & (counts < math.inf)))  # negative, NaN or inf
-        return local_total(self.counts)
 
     def rescale_factor(self) -> Count:
         """What to multiply provisionally weighted sums by: ``D_provisional / D`` (the sums of all
@@ -146,27 +138,24 @@ class Normalizer:
         return 1.0  # a zero host total: check() fails the step
 
     def device_values(self) -> list[Count]:
-        """To read on the host for :meth:`check`: the loss sum (or its weighed parts), the total, where
-        this rank's first invalid count is, and whether some rank had one."""
-        if self.loss_sum is not None:
-            return [self.loss_sum, self.total, self.invalid_at, self.invalid_anywhere]
-        return [*(loss for loss, _ in self.counted), self.total, self.invalid_at, self.invalid_anywhere]
+        """To read on the host for :meth:`check`: the loss sum, the total, where this rank's first
+        invalid count is, and whether some rank had one."""
+        return [self.loss_sum, self.total, self.invalid_at, self.invalid_anywhere]
 
-    def check(self, *read: float) -> float:
+    def check(self, loss_sum: float, total: float, invalid_at: float, invalid_anywhere: float) -> float:
         """Raise on an invalid count or a zero total; return the mini-batch loss (``read``: :meth:`device_values`)."""
-        *parts, total, invalid_at, invalid_anywhere = read
         if invalid_at or invalid_anywhere:
             where = "on another DDP rank"
             if invalid_at:
-                where = f"at {self.describe(self._device_index[int(invalid_at) - 1])}"
+                where = f"at {self.describe(int(invalid_at) - 1)}"
             raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned an invalid count {where}")
-        if not all(map(math.isfinite, parts)) and self.source.zero_on_recount():
+        if not math.isfinite(loss_sum) and self.source.zero_on_recount():
             total = 0.0  # the count taken on trust (counts.Trusted) was 0
         if total == 0:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
             )
-        return (parts[0] if self.loss_sum is not None else sum(c * v for (_, c), v in zip(self.counted, parts))) / total
+        return loss_sum / total
 
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
@@ -175,39 +164,9 @@ class Normalizer:
 
 def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:
     """Where the first non-finite micro-batch loss is, as a device mark for :func:`nonfinite_at`."""
-    if not normalizer.losses:
-        return 0.0
-    return _first_position(~torch.isfinite(torch.stack([loss for _, loss, _ in normalizer.losses])))
+    return normalizer.ledger.first_nonfinite()
 
 
 def nonfinite_at(normalizer: Normalizer, mark: float) -> str:
     """Where a non-finite loss was, from the mark read on the host."""
-    return f"at {normalizer.describe(normalizer.losses[int(mark) - 1][0])}" if mark > 0 else "on another DDP rank"
-
-
-def _loss_sum(losses: list[tuple[int, torch.Tensor, Count]], device: torch.device) -> torch.Tensor:
-    """``sum_i c_i * loss_i`` in float64 (a zero count adds nothing, even a NaN mean); a few
-    vectorized operations, no host-to-device copy."""
-    parts = []
-    on_device = [(loss, c) for _, loss, c in losses if isinstance(c, torch.Tensor)]
-    on_host = [(loss, float(c)) for _, loss, c in losses if not isinstance(c, torch.Tensor) and c != 0]
-    if on_device:
-        values = torch.stack([loss for loss, _ in on_device]).to(torch.float64)
-        counts = torch.stack([c for _, c in on_device])
-        parts.append(torch.where(counts > 0, values * counts, torch.zeros_like(counts)).sum())
-    if len(on_host) == 1:  # one micro-batch: two operations instead of four
-        loss, c = on_host[0]
-        parts.append(loss.to(torch.float64) * c)
-    elif on_host:
-        values = torch.stack([loss for loss, _ in on_host]).to(torch.float64)
-        if device.type == "cpu":  # a host tensor of weights is no copy here
-            parts.append(values @ torch.tensor([c for _, c in on_host], dtype=torch.float64))
-        else:
-            parts.append(torch.stack(torch._foreach_mul(values.unbind(), [c for _, c in on_host])).sum())
-    return sum(parts[1:], parts[0]) if parts else torch.zeros((), dtype=torch.float64, device=device)
-
-
-def _first_position(flags: torch.Tensor) -> torch.Tensor:
-    """1 + the position of the first true flag of a 1-d tensor (0: none), on its device."""
-    as_float = flags.to(torch.float64)
-    return (as_float.argmax() + 1) * as_float.amax()  # argmax: the first of equal maxima
+    return f"at {normalizer.describe(int(mark) - 1)}" if mark > 0 else "on another DDP rank"
