@@ -378,3 +378,55 @@ def test_rows_are_zeroed_after_a_discarded_mini_batch(device):
         layer.commit()
     torch.testing.assert_close(used.running_var, fresh.running_var)
     torch.testing.assert_close(used.running_mean, fresh.running_mean)
+
+
+class _Twice(nn.Module):
+    """Three BatchNorm layers on the raw input (their statistics depend on the data only), the
+    second called twice per forward (on all positions, then on the first only), the third with a
+    cumulative average: compaction must pool each alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.BatchNorm1d(3), nn.BatchNorm1d(3, momentum=0.3), nn.BatchNorm1d(3, momentum=None)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        y = self.a(x) + self.b(x) + self.b(x[:, :, :1]) + self.c(x)
+        return self.head(y.mean(-1))
+
+
+@pytest.mark.parametrize(("rows", "m"), [(203, 3), (70, 2)])
+def test_running_stats_stay_exact_and_rows_stay_bounded_over_many_micro_batches(rows, m, device):
+    """Steps of more micro-batches than the rows fold every (68 and 35 micro-batches, uneven
+    ones among them): the running statistics still equal one full-batch forward (for the layer
+    called twice: its running buffers updated once from both calls' values pooled), and each
+    layer's rows hold at most ``1 + FOLD_EVERY x calls per micro-batch`` (rounded up to a power of
+    two), however many micro-batches the step streams."""
+    from mbs_ext.step.batchnorm_rows import _ROWS, FOLD_EVERY
+
+    torch.manual_seed(0)
+    model = _Twice().double()
+    ref = copy.deepcopy(model)
+    model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbs_ext.BatchNormWarning)
+        for _ in range(2):
+            x = torch.randn(rows, 3, 4, generator=g, dtype=torch.float64) * 2 + 1
+            mbs_ext.step(model, opt, x, lambda mdl, mb: mdl(mb).pow(2).mean(), micro_batch_size=m)
+            ref.a(x)
+            ref.c(x)
+            pooled = torch.cat([x, x[:, :, :1]], dim=2).transpose(0, 1).reshape(3, -1)
+            with torch.no_grad():
+                ref.b.running_mean.mul_(0.7).add_(0.3 * pooled.mean(1))
+                ref.b.running_var.mul_(0.7).add_(0.3 * pooled.var(1))
+                ref.b.num_batches_tracked.add_(1)
+            for name in ("a", "b", "c"):
+                got, want = getattr(model, name), getattr(ref, name)
+                assert got.num_batches_tracked.item() == want.num_batches_tracked.item()
+                assert rel_err(got.running_mean.cpu(), want.running_mean) <= 1e-12, name
+                assert rel_err(got.running_var.cpu(), want.running_var) <= 1e-12, name
+            for layer, calls in ((model.a, 1), (model.b, 2), (model.c, 1)):
+                bound = 1 << (1 + FOLD_EVERY * calls - 1).bit_length()
+                assert layer in _ROWS and _ROWS[layer][0].shape[1] <= max(8, bound), _ROWS[layer][0].shape

@@ -81,7 +81,7 @@ class Attempt:
             padded = world.agree(normalizer, sizes, device)
             self.phase = Phase.STREAMING
             self.fb = ForwardBackward(model, call.loss_call, options, normalizer, sink, world, device, len(sizes),
-                                      padded)
+                                      padded, call.batchnorms)
             with world.streaming():
                 self.fb.run(cut.stream(ring, call.batch, device))
             self.phase = Phase.COLLECTING

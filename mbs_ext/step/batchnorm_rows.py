@@ -16,6 +16,15 @@ of call ``i`` in the mini-batch's ``N`` values per channel, ``M_i``/``V_i`` its 
 unbiased variance and ``M`` the mini-batch mean, the parallel-variance rule reads
 ``M2 = sum((n_i - 1) V_i + n_i (M_i - M)^2) = N (sum w_i V_i + sum w_i (M_i - M)^2) - sum V_i``.
 
+A step of any length keeps a bounded number of rows: every :data:`FOLD_EVERY` micro-batches,
+between two of them (no autograd graph then holds a view of a buffer: zeroing rows the graph
+saved would fail its backward), :func:`compact` folds each layer's rows into its row 0 - the
+calls so far as one call of their summed count, with their pooled mean and unbiased variance,
+by the same rule and the same grouping - and the calls go on from row 1. The commit's rule
+reads any rows of any counts alike, so this changes nothing but the memory: a deferred
+BatchNorm holds ``2 x (1 + FOLD_EVERY x calls per micro-batch)`` rows of its channels (rounded
+up to a power of two), never one per micro-batch of the mini-batch.
+
 The buffers live in a weak map from layer to buffer (not on the layer: a plain
 ``nn.BatchNorm`` gets its own class back after each step, without new attributes), zeroed
 again after each fold or discard: momentum 1 still multiplies the old value by zero, and
@@ -30,6 +39,8 @@ import weakref
 import torch
 
 _ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (rows, [(mean_i, var_i)])
+
+FOLD_EVERY = 16  # micro-batches between two compactions of the rows
 
 
 def row(layer: torch.nn.Module, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,15 +115,44 @@ def commit_all(layers: list) -> None:
         _commit_group(group, momentum)
 
 
-def _commit_group(group: list, momentum: float) -> None:
+def _pooled(group: list) -> tuple[list[torch.Tensor], list[int], torch.Tensor, list[torch.Tensor], list[int]]:
+    """The rows of a group of layers whose calls split alike, pooled: per layer its buffer, its
+    channels, and (as one tensor split by channels, and a list) the mean and unbiased variance of
+    all its calls so far, with its total count ``N``: ``var = M2 / (N - 1)``."""
     counts = group[0]._counts
     k, sizes = len(counts), [layer.running_mean.numel() for layer in group]
     buffers = [_ROWS[layer][0] for layer in group]
     mean, spread, variance_sum = _moments(torch.cat([b[:, :k] for b in buffers], dim=2), counts)
     totals = [sum(layer._counts) for layer in group]
-    # var = M2 / (N - 1) per layer, N its values per channel.
     var = torch._foreach_mul(spread.split(sizes), [n / (n - 1) for n in totals])
     torch._foreach_sub_(var, torch._foreach_mul(variance_sum.split(sizes), [1 / (n - 1) for n in totals]))
+    return buffers, sizes, mean, var, totals
+
+
+@torch.no_grad()
+def compact(layers: list) -> None:
+    """Fold each deferred layer's rows into its row 0 (between micro-batches: no graph holds them),
+    the layers whose calls split alike together; a layer's calls go on from row 1."""
+    groups: dict[tuple, list] = {}
+    for layer in layers:
+        counts = layer.__dict__.get("_counts")
+        if not counts or len(counts) < 2 or layer not in _ROWS:
+            continue
+        g = math.gcd(*counts)
+        rm = layer.running_mean
+        groups.setdefault((rm.device, rm.dtype, tuple(c // g for c in counts)), []).append(layer)
+    for group in groups.values():
+        buffers, sizes, mean, var, totals = _pooled(group)
+        k = len(group[0]._counts)
+        torch._foreach_zero_([b[:, 1:k] for b in buffers])
+        torch._foreach_copy_([b[0, 0] for b in buffers], list(mean.split(sizes)))
+        torch._foreach_copy_([b[1, 0] for b in buffers], var)
+        for layer, n in zip(group, totals):
+            layer._counts = [n]
+
+
+def _commit_group(group: list, momentum: float) -> None:
+    buffers, sizes, mean, var, totals = _pooled(group)
     torch._foreach_add_([layer.num_batches_tracked for layer in group], 1)
     for running, new in (([layer.running_mean for layer in group], mean.split(sizes)),
                          ([layer.running_var for layer in group], var)):

@@ -18,6 +18,7 @@ from torch import nn
 
 from mbs_ext.counts import loss as _loss
 from mbs_ext.counts.normalize import Normalizer
+from mbs_ext.step import batchnorm_rows
 from mbs_ext.step.grads import LOW_PRECISION, AutogradSink, BufferSink
 from mbs_ext.step.options import StepOptions
 from mbs_ext.world import World
@@ -25,7 +26,9 @@ from mbs_ext.world import World
 
 class ForwardBackward:
     """Streams ``num_micro_batches`` micro-batches through ``model``; gradients go to ``sink``.
-    ``padded``: how many the world has every rank run (the extra ones weigh 0)."""
+    ``padded``: how many the world has every rank run (the extra ones weigh 0). ``batchnorms``: the
+    deferred BatchNorm layers, whose rows are compacted every few micro-batches so that they stay
+    bounded (:func:`mbs_ext.step.batchnorm_rows.compact`)."""
 
     def __init__(
         self,
@@ -38,10 +41,12 @@ class ForwardBackward:
         device: torch.device,
         num_micro_batches: int,
         padded: int,
+        batchnorms: list | tuple = (),
     ) -> None:
         self.model, self.loss_call, self.options = model, loss_call, options
         self.normalizer, self.sink, self.world, self.device = normalizer, sink, world, device
         self.num_mb, self.padded = num_micro_batches, padded
+        self.batchnorms = batchnorms
         self.index = -1  # micro-batch in progress (>= num_mb: a zero-weight one); padded once all ran
         self.rows: tuple[int, int] | None = (0, 0)
         self.compute_s = 0.0
@@ -75,6 +80,8 @@ class ForwardBackward:
                     raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
                 self.template, self.rows = mb, tuple(micro_batches.rows)
                 t0 = time.perf_counter()
+                if self.batchnorms and i and i % batchnorm_rows.FOLD_EVERY == 0:  # no graph holds them now
+                    batchnorm_rows.compact(self.batchnorms)
                 self._micro_batch(mb, last=i == self.padded - 1)
                 self.compute_s += time.perf_counter() - t0
             self.index = self.num_mb
