@@ -2,7 +2,8 @@
 
 The one module outside ``mbs_ext.__all__`` that code outside the core imports: probes
 of memory (what autograd saves, the peak of one micro-batch), the unchecked fused op
-(for measuring the cost of the checks) and the step's accumulator layout, the native
+(for measuring the cost of the checks), the step's accumulator layout and the rows a deferred
+BatchNorm holds, the native
 module (for the ring's low-level tests), the ring's staging-thread default; and for
 measuring child processes, their environment, /proc memory figures, ``malloc_trim`` and
 thread counts (all, or the ring's own by name), and matplotlib for writing figures without a display.
@@ -26,14 +27,18 @@ from mbs_ext.memory.probe import (
     proc_status,
 )
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
+from mbs_ext.step.batchnorm_rows import FOLD_EVERY as BATCHNORM_FOLD_EVERY
+from mbs_ext.step.batchnorm_rows import held_rows as batchnorm_held_rows
 from mbs_ext.step.grads import buffer_layout
 from mbs_ext.streaming.ring import default_staging_threads, split_sizes
 
 __all__ = [
+    "BATCHNORM_FOLD_EVERY",
     "RING_PRODUCER_THREAD",
     "RING_STAGING_THREAD",
     "PeakTracker",
     "RssPeak",
+    "batchnorm_held_rows",
     "buffer_layout",
     "child_env",
     "cuda_room",

@@ -402,7 +402,7 @@ def test_running_stats_stay_exact_and_rows_stay_bounded_over_many_micro_batches(
     called twice: its running buffers updated once from both calls' values pooled), and each
     layer's rows hold at most ``1 + FOLD_EVERY x calls per micro-batch`` (rounded up to a power of
     two), however many micro-batches the step streams."""
-    from mbs_ext.step.batchnorm_rows import _ROWS, FOLD_EVERY
+    from mbs_ext.diagnostics import BATCHNORM_FOLD_EVERY, batchnorm_held_rows
 
     torch.manual_seed(0)
     model = _Twice().double()
@@ -428,5 +428,5 @@ def test_running_stats_stay_exact_and_rows_stay_bounded_over_many_micro_batches(
                 assert rel_err(got.running_mean.cpu(), want.running_mean) <= 1e-12, name
                 assert rel_err(got.running_var.cpu(), want.running_var) <= 1e-12, name
             for layer, calls in ((model.a, 1), (model.b, 2), (model.c, 1)):
-                bound = 1 << (1 + FOLD_EVERY * calls - 1).bit_length()
-                assert layer in _ROWS and _ROWS[layer][0].shape[1] <= max(8, bound), _ROWS[layer][0].shape
+                bound = 1 << (1 + BATCHNORM_FOLD_EVERY * calls - 1).bit_length()
+                assert 0 < batchnorm_held_rows(layer) <= max(8, bound), (calls, batchnorm_held_rows(layer))

@@ -424,3 +424,46 @@ def test_planning_judged_by_the_os_leaves_no_trace():
         assert torch.equal(p.grad, g), "planning changed .grad"
     for k, v in enumerate(opt.state.values()):
         assert torch.equal(v["momentum_buffer"], state[k]), "planning changed optimizer state"
+
+
+class Leaky(nn.Module):
+    """A device of ``budget`` units where a forward needs 100 per row and keeps 10 per row from one
+    forward to the next (as a loss function filling a list would): it raises a real
+    torch.OutOfMemoryError when they do not fit. Memory grows along the step, which no micro-batch
+    size cures."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+        self.budget, self.kept = budget, 0
+
+    def forward(self, x):
+        rows = x.shape[0]
+        if self.kept + 100 * rows > self.budget:
+            raise torch.OutOfMemoryError(f"injected: {self.kept} kept + {100 * rows} needed > {self.budget}")
+        self.kept += 10 * rows
+        return self.net(x)
+
+
+def test_back_off_does_not_cascade_on_growth():
+    """Memory that grows from micro-batch to micro-batch: back-off redoes the step once (a first
+    failure may be a costlier micro-batch), and when the redo also fails after micro-batches of its
+    size fitted, the step raises saying why instead of shrinking again (before, it went on down to
+    one-row micro-batches). Nothing changed."""
+    torch.manual_seed(0)
+    model = Leaky(budget=3000)
+    batch = (torch.randn(400, 32, dtype=torch.float64), torch.randint(0, 5, (400,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = snapshot(model.net, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            mbs_ext.step(model, opt, batch, ce, micro_batch_size=20)
+    backoffs = [str(w.message) for w in caught if "out of memory at" in str(w.message)]
+    assert len(backoffs) == 1, backoffs  # one redo, not a cascade
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "not redone again" in notes and "memory grows from micro-batch to micro-batch" in notes, notes
+    assert ".detach()" in notes
+    after = snapshot(model.net, opt)
+    for k in before["params"]:
+        assert torch.equal(before["params"][k], after["params"][k])

@@ -31,6 +31,9 @@ from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import Rows, Tokens, split
 from mbs_ext.world import PeerFailed, Phase, World
 
+_KEPT = ("Look for what is kept from one micro-batch to the next: outputs or losses kept without .detach() (a "
+         "list filled by the loss function, a hook or a logger), or tensors cached on the model.")
+
 
 @dataclass
 class Call:
@@ -59,11 +62,13 @@ class Attempt:
         self.phase = Phase.CHECKING
         self.shared = False  # this attempt's failure was shared with the other ranks
         self.oom_together = False  # ... and every rank that failed ran out of memory while streaming
+        self.runs = 0  # attempts so far in this step (more than one: redone after out-of-memory back-off)
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions,
             ring: StreamRing, call: Call, m: int) -> StepResult:
         """Stream every micro-batch at size ``m`` and finish (step where ``optimizer`` is given);
         on any error undo everything first."""
+        self.runs += 1
         self.cut = cut = split(call.batch, call.info, options, m)  # by rows or tokens: checked before any change
         sizes = cut.sizes
         warn_split_statistics(model, call.normalizing, len(sizes))
@@ -144,7 +149,39 @@ class Attempt:
         if self.guard is None or self.guard.stepping:
             return False
         streaming = self.fb is not None and 0 <= self.fb.index < self.fb.num_mb
-        return self.world.backs_off(streaming)
+        grew = streaming and self._grew(exc)
+        return self.world.backs_off(streaming, grew)
+
+    def _grew(self, exc: BaseException) -> bool:
+        """Whether running out of memory at this micro-batch is growth, not size, and say so on ``exc``.
+
+        Micro-batches of a row split never grow along the step (each is at most the first one's
+        size), so an out-of-memory error after some of them fitted is memory the step kept from
+        one micro-batch to the next - a smaller micro-batch only makes more of them, and back-off
+        would shrink it again and again. It is growth where the device counts its allocated
+        memory and that rose from micro-batch 1 on, or where this attempt is already a redo after
+        back-off. A first failure with no such count (the CPU) may be the data's (a micro-batch
+        whose rows cost more): back-off redoes it once.
+        """
+        fb = self.fb
+        if fb.index < 1 or not isinstance(self.cut, Rows):
+            return False
+        at = fb.growth()
+        mib = 1 << 20
+        if at is not None and at[1] - at[0] > mib:
+            per = (at[1] - at[0]) / (fb.index - 1)
+            add_note(exc, f"mbs_ext.step: not redone at a smaller micro-batch size: {fb.index} micro-batches of this "
+                          f"size fitted before, and the device memory allocated grew while they ran, from "
+                          f"{at[0] / mib:.1f} MiB at the start of micro-batch 1 to {at[1] / mib:.1f} MiB at "
+                          f"micro-batch {fb.index} ({per / mib:.2f} MiB per micro-batch). {_KEPT}")
+            return True
+        if self.runs > 1:
+            add_note(exc, f"mbs_ext.step: not redone again: this was already a redo at a smaller micro-batch size "
+                          f"after running out of memory, and it ran out after {fb.index} micro-batches of its size "
+                          f"fitted: memory grows from micro-batch to micro-batch, which no micro-batch size cures. "
+                          f"{_KEPT}")
+            return True
+        return False
 
     def where(self, m: int, exc: BaseException) -> str:
         fb = self.fb

@@ -57,6 +57,12 @@ def row(layer: torch.nn.Module, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return entry[1][i]
 
 
+def held_rows(layer: torch.nn.Module) -> int:
+    """How many rows the layer's buffer holds (0: none): what a step keeps for it."""
+    entry = _ROWS.get(layer)
+    return 0 if entry is None else entry[0].shape[1]
+
+
 def clear(layer: torch.nn.Module, used: int) -> None:
     """Zero the rows a discarded mini-batch wrote."""
     entry = _ROWS.get(layer)

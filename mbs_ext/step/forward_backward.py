@@ -55,6 +55,11 @@ class ForwardBackward:
         self.watch = world.watch(model)
         self.caught_up = False
         self.template: Any = None  # the latest micro-batch, for zero-weight ones
+        # Device memory allocated at the start of micro-batch 1 and of the latest one, where the
+        # device counts it (CUDA): what grew during the step, if it runs out of memory midway.
+        self.allocated: Callable[[torch.device], int] | None = (
+            torch.cuda.memory_allocated if device.type == "cuda" else None)
+        self.allocated_at: tuple[int, int] | None = None
 
     def run(self, micro_batches: Iterator[Any]) -> None:
         """Consume ``micro_batches`` (a ring iterator: ``rows`` is each one's ``(start, stop)``)."""
@@ -80,6 +85,9 @@ class ForwardBackward:
                     raise RuntimeError(f"the ring yielded {i} micro-batches, expected {self.num_mb}")
                 self.template, self.rows = mb, tuple(micro_batches.rows)
                 t0 = time.perf_counter()
+                if self.allocated is not None and i:
+                    now = self.allocated(self.device)
+                    self.allocated_at = (now if i == 1 else self.allocated_at[0], now)
                 if self.batchnorms and i and i % batchnorm_rows.FOLD_EVERY == 0:  # no graph holds them now
                     batchnorm_rows.compact(self.batchnorms)
                 self._micro_batch(mb, last=i == self.padded - 1)
@@ -91,6 +99,13 @@ class ForwardBackward:
             close = getattr(micro_batches, "close", None)
             if close is not None and self.index < self.num_mb:
                 close()
+
+    def growth(self) -> tuple[int, int] | None:
+        """Device memory allocated at the start of micro-batch 1 and of the one in progress (at
+        least micro-batch 2), where the device counts it; None otherwise."""
+        if self.allocated_at is None or self.index < 2:
+            return None
+        return self.allocated_at
 
     def _micro_batch(self, mb: Any, last: bool) -> None:
         norm, sink = self.normalizer, self.sink

@@ -170,9 +170,10 @@ class World:
         """Whether a smaller micro-batch may cure ``exc`` (``together``: what the ranks shared)."""
         return is_out_of_memory(exc)
 
-    def backs_off(self, streaming: bool) -> bool:
-        """Whether out-of-memory back-off may redo the step (only where a smaller micro-batch helps)."""
-        return streaming
+    def backs_off(self, streaming: bool, grew: bool = False) -> bool:
+        """Whether out-of-memory back-off may redo the step: only where a smaller micro-batch helps,
+        not where what the step holds ``grew`` from micro-batch to micro-batch (:mod:`mbs_ext.step.attempt`)."""
+        return streaming and not grew
 
     def backoff(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, Callable | None]:
         """The module probes run on, and the agreement on one size across ranks (None: alone)."""

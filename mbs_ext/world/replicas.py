@@ -164,7 +164,7 @@ class Replicas(World):
         """What the ranks shared (every rank reads the same), not this rank's own error."""
         return together
 
-    def backs_off(self, streaming: bool) -> bool:
+    def backs_off(self, streaming: bool, grew: bool = False) -> bool:
         """Every rank decides alike, from the shared record (:meth:`out_of_memory`)."""
         return True
 

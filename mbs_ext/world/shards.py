@@ -165,7 +165,7 @@ class Shards(World):
     def out_of_memory(self, exc: BaseException, together: bool) -> bool:
         return together
 
-    def backs_off(self, streaming: bool) -> bool:
+    def backs_off(self, streaming: bool, grew: bool = False) -> bool:
         """Never: the probes would run FSDP's collectives on one rank."""
         return False
 
