@@ -467,3 +467,38 @@ def test_back_off_does_not_cascade_on_growth():
     after = snapshot(model.net, opt)
     for k in before["params"]:
         assert torch.equal(before["params"][k], after["params"][k])
+
+
+@pytest.mark.parametrize("mode", ["auto", "back_off"])
+def test_planning_and_back_off_leave_nothing_behind(mode):
+    """After steps that planned (``"auto"``: the saved-bytes probe, the measuring probes) or backed
+    off, nothing of theirs outlives the model: its parameters are freed with it, and no tensor of a
+    probe's graph is left (the CPU reproduction of CUDA memory left allocated after such steps: a
+    probe's saved-tensor hook that kept its own outputs made cycles the collector cannot see)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    if mode == "auto":
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1)).double()
+        kw = {"micro_batch_size": "auto", "memory_budget": 8 << 20}
+    else:
+        model = OOMAbove(limit=13, at=1)
+        kw = {"micro_batch_size": 40}
+    x = torch.randn(400, 64 if mode == "auto" else 32, dtype=torch.float64)
+    batch = (x, torch.randn(400, 1, dtype=torch.float64)) if mode == "auto" else (x, torch.randint(0, 5, (400,)))
+    loss = (lambda m, b: (m(b[0]) - b[1]).pow(2).mean()) if mode == "auto" else ce
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc.collect()
+    before = {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            mbs_ext.step(model, opt, batch, loss, **kw)
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model, opt
+    gc.collect()
+    assert all(p() is None for p in params), "a parameter outlived its model"
+    left = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and id(t) not in before
+            and (t.grad_fn is not None or t.requires_grad)]
+    assert not left, [(tuple(t.shape), t.grad_fn) for t in left]

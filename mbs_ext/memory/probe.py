@@ -72,7 +72,10 @@ def measure_saved_bytes(
         if key and key not in resident and key not in seen:
             seen.add(key)
             total += storage.nbytes()
-        return t
+        # Not ``t`` itself: an output saved by its own node (ReLU saves its result) would then hold
+        # that node, a cycle through C++ that Python's collector cannot see - the probe's graph,
+        # its activations and, through AccumulateGrad, the parameters would outlive the model.
+        return t.detach()
 
     device = model_device(model)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _loss.autocast(device, autocast_dtype):
