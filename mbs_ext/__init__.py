@@ -12,6 +12,7 @@ import torch
 from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnostics: reachable after `import mbs_ext`)
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
+from mbs_ext.counts.agreement import CountWarning
 from mbs_ext.counts.cached import CachedLoss, forward
 from mbs_ext.counts.streamable import check_streamable
 from mbs_ext.memory.planner import MicroBatchPlan, plan_forward, plan_micro_batch
@@ -37,6 +38,7 @@ def build_info() -> dict:
 
 __all__ = [
     "BatchNormWarning",
+    "CountWarning",
     "CachedLoss",
     "MicroBatchPlan",
     "MicroBatchStreamer",

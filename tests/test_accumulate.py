@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -103,3 +104,27 @@ def test_clipping_is_the_callers_and_scaled_grads_stay_scaled(device):
     mbs_ext.accumulate(ref, batch, ce, micro_batch_size=5)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, 8.0 * q.grad) <= 1e-12
+
+
+def test_non_finite_loss_is_skipped_and_said_not_left_silently_in_grad():
+    """A NaN in the data: ``accumulate`` takes the step's policy - by default the micro-batches'
+    gradients are not added (``.grad`` stays as the caller had it), ``skipped=True``, and a warning
+    names the micro-batch; ``on_nonfinite="raise"`` raises, leaving ``.grad`` as it was too."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    model.weight.grad = torch.full_like(model.weight, 0.5)  # the caller's gradients so far
+    x[5, 1] = float("nan")
+    with pytest.warns(RuntimeWarning, match=r"non-finite loss at micro-batch 2 of 4 \(rows \[4, 6\)"):
+        result = mbs_ext.accumulate(model, (x, y), torch.nn.MSELoss(), micro_batch_size=2)
+    assert math.isnan(result.loss) and result.skipped
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 0.5)) and model.bias.grad is None
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        mbs_ext.accumulate(model, (x, y), torch.nn.MSELoss(), micro_batch_size=2, on_nonfinite="raise")
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 0.5)) and model.bias.grad is None
+    x[5, 1] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite mini-batch says nothing
+        assert not mbs_ext.accumulate(model, (x, y), torch.nn.MSELoss(), micro_batch_size=2).skipped

@@ -373,13 +373,15 @@ def _rank_batch(rank: int, seed: int = 1) -> dict:
 
 
 def _ranks_steps(rank: int, wrapper: str) -> dict:
+    """``ddp_own_encode``: the one-process ``LOSS`` (``model.query(...)``) under DDP, as the docs write it."""
     import torch.distributed as dist
 
     model = Towers(dropout=0.0)
-    stepped = nn.parallel.DistributedDataParallel(model) if wrapper == "ddp" else model
+    stepped = nn.parallel.DistributedDataParallel(model) if wrapper.startswith("ddp") else model
     group = dist.group.WORLD if wrapper == "process_group" else None
     opt = sgd(stepped)
-    losses = [mbs_ext.step(stepped, opt, _rank_batch(rank, seed), RANKS_LOSS, micro_batch_size=3,
+    loss = LOSS if wrapper == "ddp_own_encode" else RANKS_LOSS
+    losses = [mbs_ext.step(stepped, opt, _rank_batch(rank, seed), loss, micro_batch_size=3,
                            process_group=group).loss for seed in (1, 2)]
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
@@ -464,6 +466,7 @@ def _ranks_mismatch(rank: int, kind: str) -> dict:
 
 def _ranks_worker(rank: int) -> dict:
     return {"ddp": _ranks_steps(rank, "ddp"), "process_group": _ranks_steps(rank, "process_group"),
+            "ddp_own_encode": _ranks_steps(rank, "ddp_own_encode"),
             **{f"fail_{where}": _ranks_failure(rank, where) for where in ("check", "encode", "loss")},
             **{f"mismatch_{kind}": _ranks_mismatch(rank, kind) for kind in ("shape", "dtype")},
             "fsdp": _ranks_fsdp(rank)}
@@ -477,7 +480,7 @@ def ranks():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("wrapper", ["ddp", "process_group"])
+@pytest.mark.parametrize("wrapper", ["ddp", "process_group", "ddp_own_encode"])
 def test_across_ranks_equals_one_process_on_all_rows(ranks, wrapper):
     ref = Towers()
     opt = sgd(ref)
@@ -537,3 +540,87 @@ def test_the_clip_example_takes_the_full_batch_step_and_plain_streaming_does_not
     cached, plain = (float(v) for v in gaps)
     assert cached < 1e-12 and plain > 1e-4, out
     assert (tmp_path / "clip_example.png").stat().st_size > 10_000
+
+
+class _TokenModel(nn.Module):
+    def __init__(self, vocab: int = 7, dim: int = 5) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _token_batch(rows: int = 24, width: int = 6, seed: int = 4) -> dict:
+    """Rows padded to one width with -100 labels, each row's length its own (so counts differ)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 7, (rows, width), generator=g)
+    lengths = torch.randint(2, width + 1, (rows,), generator=g)
+    labels = ids.clone()
+    labels[torch.arange(width)[None, :] >= lengths[:, None]] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _token_mean(shifted: bool):
+    """A token-mean LM loss, as a causal LM computes it (``shifted``: next-token labels) or not."""
+    def loss(model, mb):
+        logits, labels = model(mb["input_ids"]), mb["labels"]
+        if shifted:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                           ignore_index=-100)
+    return loss
+
+
+@pytest.mark.parametrize("shifted", [True, False], ids=["shifted", "unshifted"])
+def test_check_streamable_names_the_count_a_token_mean_loss_needs_not_coupling(shifted):
+    """A token-mean loss streamed with the default count (rows) is off, and the cause is the count,
+    not coupling: the message names normalize= with the count that fits (the shifted one for a
+    causal LM's loss), never CachedLoss; with that count the check passes."""
+    torch.manual_seed(0)
+    model, batch = _TokenModel(), _token_batch()
+    right = "[..., 1:]" if shifted else '(mb["labels"] != -100)'
+    with pytest.raises(ValueError, match="normalize=") as info:
+        mbs_ext.check_streamable(model, batch, _token_mean(shifted), micro_batch_size=4)
+    text = str(info.value)
+    assert "count that fits: normalize=lambda mb: " in text and right in text.split("count that fits")[1], text
+    assert "CachedLoss" not in text and "couples" not in text, text
+    count = ((lambda mb: (mb["labels"][..., 1:] != -100).sum()) if shifted
+             else (lambda mb: (mb["labels"] != -100).sum()))
+    mbs_ext.check_streamable(model, batch, _token_mean(shifted), micro_batch_size=4, normalize=count)
+    if shifted:  # the unshifted count is close but not the loss's: still named as off
+        with pytest.raises(ValueError, match=r"\[\.\.\., 1:\]"):
+            mbs_ext.check_streamable(model, batch, _token_mean(True), micro_batch_size=4,
+                                     normalize=lambda mb: (mb["labels"] != -100).sum())
+
+
+def test_step_says_when_the_count_does_not_fit_a_token_mean_loss():
+    """The paved path: a token-mean loss streamed with the default count (rows) warns once per
+    signature, naming the count that fits; the right count, or check_count=False, says nothing;
+    and the check leaves no trace (the step's result equals an unchecked one's, bit for bit)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, batch = _TokenModel(), _token_batch()
+    unchecked = copy.deepcopy(model)
+    opt, uopt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(unchecked.parameters(), lr=0.1)
+    fits = r'count that fits: normalize=lambda mb: \(mb\["labels"\]\[\.\.\., 1:\]'
+    with pytest.warns(mbs_ext.CountWarning, match=fits):
+        mbs_ext.step(model, opt, batch, _token_mean(True), micro_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mbs_ext.step(unchecked, uopt, batch, _token_mean(True), micro_batch_size=4, check_count=False)
+        assert_bit_identical(snapshot(model, opt), snapshot(unchecked, uopt))
+        mbs_ext.step(model, opt, batch, _token_mean(True), micro_batch_size=4)  # said once per signature
+        fresh = _TokenModel()
+        mbs_ext.step(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch, _token_mean(True),
+                     micro_batch_size=4, normalize=lambda mb: (mb["labels"][..., 1:] != -100).sum())
+
+
+def test_step_says_when_a_loss_couples_the_rows():
+    """A contrastive loss on the plain step: the check finds no count that fits and names coupling
+    and CachedLoss, at run time (before, the step was 35% off and silent)."""
+    model = TwoTower()
+    with pytest.warns(mbs_ext.CountWarning, match="couple the rows.*CachedLoss"):
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), pairs(),
+                     lambda mod, mb: info_nce(mod, encode(mod, mb)), micro_batch_size=4)

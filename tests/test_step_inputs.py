@@ -388,3 +388,17 @@ def test_bad_input(kind, device):
     if before is not None:
         assert_bit_identical(snapshot(model, opt), before)
         assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("micro_batch_sise", "micro_batch_size"),
+                                              ("max_grad_nrom", "max_grad_norm"), ("normalise", "normalize")])
+def test_a_mistyped_option_is_named_with_what_it_meant(typo, meant):
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"micro_batch_size": 4, typo: 1.0} if typo != "micro_batch_sise" else {typo: 4}
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=rf"unknown option {typo}= \(did you mean {meant}=\?\)"):
+        mbs_ext.step(model, opt, (torch.randn(8, 3), torch.randn(8, 1)), torch.nn.MSELoss(), **kw)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with pytest.raises(TypeError, match=rf"unknown option {typo}="):
+        mbs_ext.StepOptions(micro_batch_size=4).replace(**{typo: 1})

@@ -51,6 +51,31 @@ def small_cnn(image_size: int = 32, seed: int | None = None, width: int = 16, nu
     )
 
 
+def small_bn_cnn(image_size: int = 32, seed: int | None = None, width: int = 16, num_classes: int = 10) -> nn.Module:
+    """:func:`small_cnn` with an ``nn.BatchNorm2d`` after each convolution (before its ReLU).
+
+    Plain BatchNorm: :func:`mbs_ext.step` defers its running statistics by itself (one commit
+    per mini-batch; each micro-batch is normalized with its own statistics and the step warns
+    once, :class:`mbs_ext.BatchNormWarning`)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    side = image_size // 4
+    return nn.Sequential(
+        nn.Conv2d(1, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * width * side * side, 64),
+        nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 512) -> float:
     device = next(model.parameters()).device

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from mbs_ext.counts.loss import autocast
@@ -111,10 +112,18 @@ def _encode_all(model: nn.Module, batch: Any, fn: Callable, m: int, indices: tor
     try:
         for mb in ring.stream(batch, m, indices=indices, copy=device.type != "cpu"):
             with torch.no_grad(), autocast(device, autocast_dtype):
-                outs.append(pytree.tree_map(_detached, fn(model, mb)))
+                outs.append(pytree.tree_map(_detached, fn(own(model), mb)))
     finally:
         ring.close()
     return outs
+
+
+def own(model: nn.Module) -> nn.Module:
+    """The module ``encode`` and ``loss`` are handed: the user's own under DistributedDataParallel,
+    so that ``model.query(...)`` written for one process works across ranks too. The step sums the
+    gradients over the ranks itself (its micro-batches run outside DDP's gradient sync), so a
+    forward that bypasses DDP's loses nothing."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _detached(x: Any) -> Any:
@@ -148,7 +157,7 @@ class _Surrogate:
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> torch.Tensor:
         rows, positions = micro_batch
-        out = self.encode(model, rows)
+        out = self.encode(own(model), rows)
         leaves, spec = pytree.tree_flatten(out)
         if spec != self.spec:
             raise ValueError(f"CachedLoss.encode returned another structure in the second pass: {spec} vs {self.spec}")
@@ -210,7 +219,7 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     # parameters' gradient, so it enters the sum over ranks once.
     positions = torch.arange(info.rows) + offset
     child = type(streamer)(model, streamer.optimizer, surrogate,
-                           options=dataclasses.replace(options, normalize="sum"))
+                           options=dataclasses.replace(options, normalize="sum", check_count=False))
     child.cache = streamer.cache
     result = child._run((batch, positions), None, stepping)
     return dataclasses.replace(result, loss=float(value))
@@ -229,14 +238,15 @@ def _planned(cached: CachedLoss, model: nn.Module, batch: Any, options: Any, inf
         device = model_device(model)
         budget = planner.default_budget(device, options.memory_budget)
         with probing(model, device), torch.no_grad(), autocast(device, options.autocast_dtype):
-            one = pytree.tree_leaves(cached.encode(model, probe_batch(batch, 1, None, device)))
+            one = pytree.tree_leaves(cached.encode(own(model), probe_batch(batch, 1, None, device)))
         resident = 2 * sum(t.numel() * t.element_size() for t in one) * info.rows * max(world.size, 1)
         if resident >= budget:
             raise ValueError(f"memory_budget={budget} bytes is too small for CachedLoss: the encodings of the "
                              f"mini-batch and their gradients alone take about {resident} bytes")
 
         def encode_and_back(mod: nn.Module, mb: Any) -> torch.Tensor:
-            return sum(t.float().sum() for t in pytree.tree_leaves(cached.encode(mod, mb)) if t.is_floating_point())
+            leaves = pytree.tree_leaves(cached.encode(own(mod), mb))
+            return sum(t.float().sum() for t in leaves if t.is_floating_point())
 
         try:
             plan = plans[key] = planner.plan(
@@ -268,7 +278,7 @@ def _cache_gradients(cached: CachedLoss, model: nn.Module, batch: Any, options: 
         try:
             leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in leaves]
             with autocast(device, options.autocast_dtype):
-                loss = cached.loss(model, pytree.tree_unflatten(leaves, spec))
+                loss = cached.loss(own(model), pytree.tree_unflatten(leaves, spec))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 got_shape = getattr(loss, "shape", type(loss))
                 raise ValueError(f"CachedLoss.loss must return a 0-dim tensor, got {got_shape}")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mbs_ext.memory import planner
+from mbs_ext.step import count_check
 from mbs_ext.step import model as _model
 from mbs_ext.step.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
@@ -43,6 +44,7 @@ class StepCache:
     size_cap: dict[tuple, int] = field(default_factory=dict)  # learned from out-of-memory back-off
     token_budgets: dict[tuple, int] = field(default_factory=dict)  # micro_batch_tokens="auto", by signature
     binding: Binding | None = None  # of the latest step
+    counts_checked: set = field(default_factory=set)  # signatures whose count was checked (step.count_check)
 
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, process_group: Any,
              found: _model.Members) -> Binding:
@@ -72,6 +74,11 @@ class StepCache:
         if self.ring is None or self.ring.device != device:
             self.ring = StreamRing(device)
         return self.ring
+
+    def check_count(self, key: tuple, model: nn.Module, call: Any, options: StepOptions, size: int,
+                    loss_fn: Any) -> None:
+        """The loss's count checked on the first step of signature ``key`` (:mod:`mbs_ext.step.count_check`)."""
+        count_check.check_once(self.counts_checked, key, model, call, options, size, loss_fn)
 
     def size_for(self, model: nn.Module, opts: StepOptions, batch: Any, info: BatchInfo, binding: Binding,
                  loss_call: Any) -> tuple[int, tuple]:

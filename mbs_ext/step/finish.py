@@ -105,19 +105,28 @@ def finish(
 def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, options: StepOptions,
                      guard: StepGuard, device: torch.device, record: Record) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
-    statistics committed; the (possibly scaled, possibly non-finite) gradients stay in
-    ``.grad`` for the caller's own optimizer step. With ``on_nonfinite="raise"`` a non-finite
-    loss or gradient raises instead (not a gradient under a GradScaler: its overflow is the
-    caller's scaler's to handle), and the step's rollback puts the caller's gradients back."""
-    raising = options.on_nonfinite == "raise"
-    found = sink.nonfinite(False) if raising and options.scaler is None else 0.0
+    statistics committed; the (possibly scaled) gradients stay in ``.grad`` for the caller's own
+    optimizer step. A non-finite loss or gradient gets the step's policy (``on_nonfinite``): by
+    default skipped - ``.grad`` and the buffers put back as they were, ``skipped=True`` and a
+    warning naming the micro-batch - or raised. Not a gradient under a GradScaler: its overflow is
+    the caller's scaler's to handle."""
+    found = sink.nonfinite(False) if options.scaler is None else 0.0
     read = _read([found, record.failed(), *normalizer.device_values()], device)
     record.raise_if_failed(read[1])
     loss = normalizer.check(*read[2:])
-    if raising and (read[0] != 0 or not math.isfinite(loss)):
-        what = "gradient" if math.isfinite(loss) else "loss"
-        raise FloatingPointError(f"mbs_ext.accumulate: non-finite {what} (loss={loss}) with on_nonfinite='raise'; "
-                                 "the gradients were left as they were")
+    if read[0] != 0 or not math.isfinite(loss):
+        if math.isfinite(loss):
+            msg = f"non-finite gradient (loss={loss})"
+        else:
+            mark = _read([first_nonfinite(normalizer)], device)[0]
+            msg = f"non-finite loss {nonfinite_at(normalizer, mark)} (loss={loss})"
+        if options.on_nonfinite == "raise":
+            raise FloatingPointError(f"mbs_ext.accumulate: {msg} with on_nonfinite='raise'; the gradients were "
+                                     "left as they were")
+        guard.rollback(clear_grads=True, restore_scaler=False, restore_rng=False)
+        warnings.warn(f"mbs_ext.accumulate: {msg}; its gradients were not added: .grad is as it was "
+                      "(on_nonfinite='raise' raises instead)", RuntimeWarning, stacklevel=caller_stacklevel())
+        return Finished(loss, True, None)
     guard.commit_statistics()
     return Finished(loss, False, None)
 

@@ -8,6 +8,7 @@ their defaults and their checks exist here only.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 from collections.abc import Callable
@@ -47,8 +48,8 @@ class StepOptions:
       when any trainable parameter is bf16/fp16, otherwise autograd adds into ``.grad``.
     * ``max_grad_norm``: clip the total norm of the final unscaled gradient.
     * ``on_nonfinite``: ``"skip"`` (warn, change nothing but a GradScaler's scale) or
-      ``"raise"`` (FloatingPointError, nothing changed). ``accumulate`` takes no step to skip:
-      it leaves a non-finite result in ``.grad``, or raises with ``"raise"``.
+      ``"raise"`` (FloatingPointError, nothing changed). ``accumulate`` skips by leaving
+      ``.grad`` as it was (``skipped=True``, with the warning), or raises with ``"raise"``.
     * ``memory_budget``: bytes the step may use, for ``micro_batch_size="auto"``.
     * ``process_group``: a ``torch.distributed`` process group the model is replicated over
       when the step cannot find DistributedDataParallel in it (a wrapper it does not know):
@@ -66,6 +67,11 @@ class StepOptions:
       a row longer than the budget are refused before anything runs. ``"auto"``: the largest
       budget whose micro-batch of the longest rows fits ``memory_budget``, planned (as
       ``micro_batch_size="auto"`` plans rows) at the first step and cached per input signature.
+    * ``check_count``: on the first step of each input signature that streams more than one
+      micro-batch, check with three forwards (the first micro-batch and its halves, no
+      backward) that a loss given as a callable averages over the count the step weighs by,
+      and warn (``CountWarning``) naming the count that fits where it does not
+      (:mod:`mbs_ext.counts.agreement`). ``False`` turns the check off.
     * ``token_lengths``: where row lengths come from with ``micro_batch_tokens``: None (the
       batch's ``"attention_mask"`` leaf), the dict key of another 0/1 mask, or a callable
       ``lengths(batch)`` returning a 1-d integer tensor, one length per row.
@@ -83,6 +89,7 @@ class StepOptions:
     process_group: Any = None
     micro_batch_tokens: int | str | None = None
     token_lengths: str | Callable[[Any], torch.Tensor] | None = None
+    check_count: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is None and self.micro_batch_tokens is None:
@@ -105,9 +112,12 @@ class StepOptions:
                             f"None, got {type(self.process_group).__name__}")
         if self.fsdp_accumulate not in FSDP_ACCUMULATE:
             raise ValueError(f"fsdp_accumulate must be one of {FSDP_ACCUMULATE}, got {self.fsdp_accumulate!r}")
+        if not isinstance(self.check_count, bool):
+            raise TypeError(f"check_count must be a bool, got {type(self.check_count).__name__}")
 
     def replace(self, **overrides: Any) -> StepOptions:
-        """A copy with ``overrides`` applied (and checked)."""
+        """A copy with ``overrides`` applied (and checked; an unknown name is named)."""
+        check_names(overrides)
         return dataclasses.replace(self, **overrides) if overrides else self
 
     @property
@@ -116,7 +126,10 @@ class StepOptions:
 
 
 def make_options(options: StepOptions | None, overrides: dict[str, Any]) -> StepOptions:
-    """``options`` with keyword ``overrides``, or options built from the keywords alone."""
+    """``options`` with keyword ``overrides``, or options built from the keywords alone. An unknown
+    keyword is named, with the option it most likely meant (a typo must not read as a missing
+    ``micro_batch_size`` or a bare ``TypeError`` from the dataclass)."""
+    check_names(overrides)
     if options is None:
         if "micro_batch_size" not in overrides and "micro_batch_tokens" not in overrides:
             raise TypeError("micro_batch_size is required (an int >= 1 or 'auto'), or micro_batch_tokens, or pass "
@@ -125,6 +138,22 @@ def make_options(options: StepOptions | None, overrides: dict[str, Any]) -> Step
     if not isinstance(options, StepOptions):
         raise TypeError(f"options must be a mbs_ext.StepOptions, got {type(options).__name__}")
     return options.replace(**overrides)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(StepOptions))
+
+
+def check_names(overrides: dict[str, Any]) -> None:
+    """Raise naming every keyword that is no option, with the option it most likely meant."""
+    unknown = [k for k in overrides if k not in _FIELDS]
+    if unknown:
+        raise TypeError("; ".join(_unknown(k) for k in unknown))
+
+
+def _unknown(key: str) -> str:
+    close = difflib.get_close_matches(key, sorted(_FIELDS), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}=?" if close else f"the options are {', '.join(sorted(_FIELDS))}"
+    return f"unknown option {key}= ({hint})"
 
 
 def check_normalize(normalize: Any) -> None:

@@ -106,9 +106,11 @@ class MicroBatchStreamer:
         """The gradients of the whole mini-batch in ``.grad`` (replacing what was there), exactly
         normalized, with no optimizer step: :meth:`step` without the update. Running statistics
         of BatchNorm layers are committed once. Gradients stay scaled when a ``scaler`` is given
-        (for the caller's ``scaler.unscale_``/``step``). A non-finite loss or gradient is left in
-        ``.grad`` for the caller's step to judge; with ``on_nonfinite="raise"`` it raises
-        FloatingPointError instead. On any error ``.grad`` and the module buffers are as before."""
+        (for the caller's ``scaler.unscale_``/``step``). A non-finite loss or gradient (not a
+        scaler's overflow, which is the caller's scaler's to handle) takes the step's policy: by
+        default ``.grad`` and the buffers stay as before, ``skipped=True`` and a RuntimeWarning
+        names the micro-batch; with ``on_nonfinite="raise"`` it raises FloatingPointError instead.
+        On any error ``.grad`` and the module buffers are as before."""
         if self.options.max_grad_norm is not None:
             raise ValueError("max_grad_norm: accumulate() takes no optimizer step, so it does not clip; "
                              "clip in your own step (torch.nn.utils.clip_grad_norm_)")
@@ -130,6 +132,7 @@ class MicroBatchStreamer:
                 size, key = self.cache.size_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 # Probes run on the module the world names (under DDP: no collectives).
                 probed, agree = binding.world.backoff(self.model, binding.device)
+                self.cache.check_count(key, probed, call, self.options, size, self.loss_fn)
                 options = self.cache.tokens_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 shrunk = axis(probed, call, options, size, key, self.cache.size_cap,
                               lambda options, m: attempt.run(self.model, optimizer, options,

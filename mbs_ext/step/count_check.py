@@ -1,0 +1,40 @@
+"""The step's one check that the loss averages over the count it weighs by, once per input signature.
+
+What is checked and how: :mod:`mbs_ext.counts.agreement`. Here: when it runs - the first step of
+a signature that streams more than one micro-batch (one micro-batch weighs 1 whatever its count),
+with a loss given as a callable (an ``nn`` loss's count is read from it, exact by construction),
+in one process or across replicas (under FSDP2 a forward is a collective only some ranks would
+run), with no BatchNorm normalizing by batch statistics (its halves would be normalized apart:
+:class:`~mbs_ext.step.batchnorm.BatchNormWarning` says that already) and parameters of at least
+float32 - and that it leaves no trace (RNG, buffers and ``.grad`` put back by the probes' own guard).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from mbs_ext.counts import agreement
+from mbs_ext.memory.probe import probe_batch, probing
+from mbs_ext.messages import caller_stacklevel
+from mbs_ext.step.grads import LOW_PRECISION
+
+
+def check_once(checked: set, key: tuple, model: nn.Module, call: Any, options: Any, size: int,
+               loss_fn: Any) -> None:
+    """Warn (:class:`~mbs_ext.counts.agreement.CountWarning`) where the count does not fit; ``checked``
+    holds the signatures already checked (the streamer's cache)."""
+    if not options.check_count or key in checked:
+        return
+    checked.add(key)
+    if (size >= call.info.rows or call.normalizing or isinstance(loss_fn, nn.modules.loss._Loss)
+            or call.world.runs_every_micro_batch or any(p.dtype in LOW_PRECISION for p in call.params)):
+        return
+    with probing(model, call.device):
+        first = probe_batch(call.batch, size, call.info.indices, call.device)
+        said = agreement.mismatch(model, call.loss_call, call.rule, first, size)
+    if said:
+        warnings.warn(f"mbs_ext: {said}. Said once per input signature; check_count=False turns this check off",
+                      agreement.CountWarning, stacklevel=caller_stacklevel())
