@@ -38,6 +38,7 @@ def main():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
+    model.loss_type = "ForCausalLM"  # what transformers maps GPT-2 to, said explicitly (no warning)
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(len(kw["input_ids"])), with_kwargs=True)
     with tempfile.TemporaryDirectory() as out:

@@ -7,8 +7,6 @@ normalization, and one optimizer step equals the full-batch step.
 
 from __future__ import annotations
 
-import torch
-
 from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnostics: reachable after `import mbs_ext`)
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
@@ -27,6 +25,8 @@ from mbs_ext.world import PeerFailed
 
 def build_info() -> dict:
     """What this installed build contains (CUDA kernels compiled, archs, OpenMP, versions)."""
+    import torch
+
     return {
         "cuda_compiled": bool(_C.cuda_compiled),
         "cuda_archs": [a for a in str(_C.cuda_archs).split(",") if a],
@@ -38,8 +38,8 @@ def build_info() -> dict:
 
 __all__ = [
     "BatchNormWarning",
-    "CountWarning",
     "CachedLoss",
+    "CountWarning",
     "MicroBatchPlan",
     "MicroBatchStreamer",
     "PeerFailed",
@@ -60,3 +60,8 @@ __all__ = [
     "set_batchnorm_across_ranks",
     "step",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names (and mbs_ext.diagnostics), not what the module imported on the way."""
+    return sorted({*__all__, "diagnostics"})

@@ -378,9 +378,9 @@ def test_out_of_memory_after_streaming_is_not_retried():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(torch.OutOfMemoryError) as info, _OOMInNorm():
-            mbs_ext.step(model, opt, batch, ce, micro_batch_size=10, max_grad_norm=1.0)
+            mbs_ext.step(model, opt, batch, ce, micro_batch_size=10, max_grad_norm=1.0, check_count=False)
     assert not [w for w in caught if "redoing the step" in str(w.message)]
-    assert model.calls == 4  # four micro-batches, streamed once: no redo, no probes
+    assert model.calls == 4  # four micro-batches, streamed once: no redo, no probes (no count check either)
     assert "while finishing the step" in "\n".join(getattr(info.value, "__notes__", []))
     after = snapshot(model, opt)
     for k in before["params"]:

@@ -402,3 +402,10 @@ def test_a_mistyped_option_is_named_with_what_it_meant(typo, meant):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(TypeError, match=rf"unknown option {typo}="):
         mbs_ext.StepOptions(micro_batch_size=4).replace(**{typo: 1})
+
+
+def test_dir_shows_the_public_names_only():
+    """What a newcomer sees first: ``dir(mbs_ext)`` lists the API, not ``torch`` or ``annotations``."""
+    shown = set(dir(mbs_ext))
+    assert set(mbs_ext.__all__) <= shown and "diagnostics" in shown
+    assert not shown & {"torch", "annotations", "_C"}, shown

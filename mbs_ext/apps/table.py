@@ -33,8 +33,24 @@ and one intra-op thread each, two children at a time on a two-core machine. An a
 failure (``torch.OutOfMemoryError``, ``MemoryError`` or an allocator ``RuntimeError``)
 in the full-batch step is reported as "Failed", like the paper.
 
+The sweep
+---------
+Then the papers' headline property as a picture (``sweep.png``): the peak memory of one
+training step against the mini-batch size, under the same cap, for the small CNN and the
+same CNN with BatchNorm (``bn_cnn``; the step defers its statistics by itself). Per model,
+one child takes full-batch steps at sizes ``micro * 2**(k/4)``, ascending until the first
+fails: the largest that trained is F. A second child takes one MBS step at each multiple of F
+in ``--sweep`` (default 1, 4, 16, 64, 256; ``--sweep 1,4,16,64,256,1024`` reaches 1,024x,
+``--sweep none`` skips it); the full batch, failed at about 1.2 F, is not run again. A mini-batch
+is row indices drawn with replacement from the training set (``torch.randint``), taken by
+``mbs_ext.step(..., indices=)``, which gathers micro-batch by micro-batch, so the host holds only
+the data set and the indices; the full batch gathers ``x[indices]``, as it must. The peak is
+the step's resident-set growth (``VmHWM`` after ``5`` into ``/proc/self/clear_refs``, minus
+``VmRSS`` just before), next to its samples/s. These children run with one malloc arena
+(:func:`run_sweep_child`) and set the cap anew before each step (:func:`_sweep_child`).
+
 Run ``python -m mbs_ext table --out DIR`` (or ``main([...])``); writes ``table.md``,
-``table.json`` and ``table.png`` to ``DIR`` and prints the table.
+``table.json``, ``table.png`` and ``sweep.png`` to ``DIR`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -56,7 +72,7 @@ from mbs_ext.diagnostics import child_env, malloc_trim, proc_status
 
 RESULT_TAG = "MBS_TABLE_RESULT "
 DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
-DEFAULT_SWEEP = "1,4,16,64,256,1024"
+DEFAULT_SWEEP = "1,4,16,64,256"
 SWEEP_MODELS = {"cnn": small_cnn, "bn_cnn": small_bn_cnn}
 CAP_FACTOR = 1.5
 CAP_SLACK = 16 << 20
@@ -234,13 +250,14 @@ def _sweep_child(args: argparse.Namespace) -> int:
     A mini-batch of B rows is B indices drawn with replacement from the training set (so B
     may exceed it; one seeded draw, each size its first B): the host holds the data set and
     the indices, nothing mini-batch sized, unless the step gathers it (the full batch does).
-    Warm-up is on the model itself (one step of each kind, weights then restored), so that
-    every measured step, the first included, finds the step's caches made. Each measured step
-    starts from the same weights with a fresh optimizer, under ``RLIMIT_AS`` set anew to the
-    process's size just before it plus the cap (each new tensor shape leaves oneDNN kernels
-    behind, about 3 MiB of address space each: a cap set once would shrink from step to step),
-    and reports its peak resident growth (``VmHWM`` after ``5`` into ``/proc/self/clear_refs``
-    just before the step, minus ``VmRSS`` then), seconds and samples/s.
+    Warm-up is on the model itself (one step of each kind), so that every measured step, the
+    first included, finds the step's caches made; and before each size a step of its shapes
+    (see below). Every step starts from the initial weights with a fresh optimizer, under
+    ``RLIMIT_AS`` set anew to the process's size just before it plus the cap (each new tensor
+    shape leaves oneDNN kernels behind, about 3 MiB of address space each: a cap set once
+    would shrink from step to step). Each size reports its measured step's peak resident
+    growth (``VmHWM`` after ``5`` into ``/proc/self/clear_refs`` just before the step, minus
+    ``VmRSS`` then), seconds and samples/s; or, failed, the error and the peak until then.
     """
     import copy
     import gc
@@ -267,24 +284,35 @@ def _sweep_child(args: argparse.Namespace) -> int:
         _sweep_step(model, make_optimizer(model, rows, args.micro, args.lr), x, y, idx[:rows],
                     micro=args.micro, mbs=warm_mbs)
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]  # only the soft limit moves: it may go back up
-    for size in sizes:
+    before: dict[str, int] = {}
+
+    def attempt(rows: int) -> float:
+        """One step over the first ``rows`` indices from the initial weights, under the cap; its seconds."""
         model.load_state_dict(init_state)
-        opt = make_optimizer(model, size, args.micro, args.lr)
-        rec: dict[str, Any] = {
-            "model": args.sweep_model, "run": args.sweep_run, "size": size, "micro": args.micro,
-            "cap_bytes": args.cap_bytes,
-        }
+        opt = make_optimizer(model, rows, args.micro, args.lr)
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         gc.collect()
         malloc_trim()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = proc_status()
+        before.update(proc_status())
         if args.cap_bytes > 0:
             resource.setrlimit(resource.RLIMIT_AS, (before["VmSize"] + args.cap_bytes, hard))
         t0 = time.perf_counter()
+        _sweep_step(model, opt, x, y, idx[:rows], micro=args.micro, mbs=mbs)
+        return time.perf_counter() - t0
+
+    for size in sizes:
+        rec: dict[str, Any] = {
+            "model": args.sweep_model, "run": args.sweep_run, "size": size, "micro": args.micro,
+            "cap_bytes": args.cap_bytes,
+        }
+        # A new shape's first call compiles its oneDNN kernels: a step of that shape first (the
+        # full batch; for MBS only its last, partial micro-batch is new), under the cap too.
+        shape_rows = size if not mbs else (args.micro + size % args.micro if size % args.micro else 0)
         try:
-            _sweep_step(model, opt, x, y, idx[:size], micro=args.micro, mbs=mbs)
-            seconds = time.perf_counter() - t0
+            if shape_rows:
+                attempt(shape_rows)
+            seconds = attempt(size)
             rec.update(ok=True, seconds=seconds, samples_per_s=size / seconds)
         except Exception as exc:  # noqa: BLE001 - classified below, anything else re-raised
             # Under the cap oneDNN reports a failed mapping for a new kernel this way.
@@ -293,7 +321,6 @@ def _sweep_child(args: argparse.Namespace) -> int:
             rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         rec["peak_rss"] = proc_status().get("VmHWM", 0) - before.get("VmRSS", 0)
         _emit(rec)
-        del opt
         if not rec["ok"]:
             break  # a step after a failed one would measure the failure's leftovers
     return 0
@@ -325,7 +352,11 @@ def run_sweep_child(
         "--micro", str(micro), "--cap-bytes", str(int(cap_bytes)), "--threads", str(threads),
         "--seed", str(seed), "--lr", repr(lr), "--image-size", str(image_size),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(threads), timeout=timeout)
+    # One malloc arena: a second one reserves 64 MiB of address space up front, and a thread
+    # allocating from it grows into that reservation unseen by RLIMIT_AS (measured: a BatchNorm
+    # full batch of 128 rows took 60 MiB under a 29 MiB cap with two arenas, failing at 91 with one).
+    env = dict(child_env(threads), MALLOC_ARENA_MAX="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     recs = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if proc.returncode != 0 and len(recs) < len(sizes) and all(r["ok"] for r in recs):
         recs.append({"model": model, "run": run, "size": sizes[len(recs)], "micro": micro, "ok": False,

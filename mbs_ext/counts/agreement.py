@@ -74,11 +74,20 @@ def _losses(model: nn.Module, loss_call: Callable, parts: list[Any]) -> list[flo
         m.training = False
     try:
         with torch.no_grad():
-            values = [float(loss_call(model, part).detach().float()) for part in parts]
+            values = [_value(loss_call(model, part)) for part in parts]
+    except Exception:  # noqa: BLE001 - the step runs the same call next and reports it with its notes
+        return None
     finally:
         for m in dropouts:
             m.training = True
-    return values if all(math.isfinite(v) for v in values) else None
+    return values if all(v is not None and math.isfinite(v) for v in values) else None
+
+
+def _value(loss: Any) -> float | None:
+    """A loss as a host number; None for what the step's own check of the loss refuses."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()) or loss.is_meta:
+        return None
+    return float(loss.detach().float())
 
 
 def _candidates(rule: Rule, halves: list[Any], rows: tuple[int, int]) -> dict[str, tuple[float, float] | None]:

@@ -14,6 +14,9 @@ Here the values are copied into slots of a block allocated once, before the firs
 ``BLOCK`` micro-batches the block folds into running sums on the device (a few operations, no
 read) and is reused. A step keeps O(1) device memory and ``BLOCK`` host numbers whatever its
 length; no allocation made during a micro-batch outlives it. Nothing here reads a device value.
+
+On the CPU a loss is a host value already: :class:`HostLedger` reads each one as it comes
+(``item()``, a fifth of a copy's cost) into running sums of host numbers, no slots at all.
 """
 
 from __future__ import annotations
@@ -27,8 +30,44 @@ Count = float | torch.Tensor  # a host number, or a 0-dim float64 tensor on the 
 BLOCK = 128  # micro-batches per block: folds every BLOCK (about 1 KiB of slots per kind)
 
 
+def ledger_for(device: torch.device, num_micro_batches: int) -> Ledger | HostLedger:
+    """The ledger of a step on ``device``: read as it comes on the CPU, slots elsewhere."""
+    return HostLedger() if device.type == "cpu" else Ledger(device, num_micro_batches)
+
+
+class HostLedger:
+    """The same sums on the CPU, where reading a loss costs no sync: host numbers, O(1)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.loss_sum = 0.0
+        self.invalid_at = 0.0  # 1 + the index of the first invalid count
+        self.nonfinite_at = 0.0  # 1 + the index of the first non-finite loss
+        self._index, self._count = -1, 0.0  # the latest counted micro-batch
+
+    def count(self, index: int, c: Count) -> None:
+        value = c.item() if isinstance(c, torch.Tensor) else c
+        if not (value >= 0 and value < math.inf) and not self.invalid_at:  # negative, NaN or inf
+            self.invalid_at = float(index + 1)
+        self.total += value
+        self._index, self._count = index, value
+
+    def loss(self, loss: torch.Tensor) -> None:
+        value = loss.item()
+        if not math.isfinite(value) and not self.nonfinite_at:
+            self.nonfinite_at = float(self._index + 1)
+        if self._count > 0:  # a zero count adds nothing, even a NaN mean
+            self.loss_sum += self._count * value
+
+    def totals(self) -> tuple[float, float]:
+        return self.total, self.loss_sum
+
+    def first_nonfinite(self) -> float:
+        return self.nonfinite_at
+
+
 class Ledger:
-    """The losses and counts of one step's micro-batches ``0, 1, ...`` on ``device``."""
+    """The losses and counts of one step's micro-batches ``0, 1, ...`` on ``device`` (not the CPU)."""
 
     def __init__(self, device: torch.device, num_micro_batches: int) -> None:
         self.device = device
@@ -45,13 +84,21 @@ class Ledger:
         self.loss_sum: torch.Tensor | None = None
         self.invalid_at: torch.Tensor | float = 0.0  # 1 + the index of the first invalid device count
         self.nonfinite_at: torch.Tensor | float = 0.0  # ... of the first non-finite loss, in folded blocks
+        # One micro-batch (the whole mini-batch): its count and loss are kept as they are, no slots
+        # (nothing outlives a micro-batch that the next one could be kept from reusing).
+        self.single = num_micro_batches == 1
+        self._only: list = [None, None]  # its (device count, loss)
+        self._settled = False
 
     def count(self, index: int, c: Count) -> None:
         """Micro-batch ``index``'s count (indices come in order, from 0)."""
         if index - self.start >= self.size:
             self._fold(final=False)
             self.start = index
-        if isinstance(c, torch.Tensor):
+        if isinstance(c, torch.Tensor) and self.single:
+            self._only[0] = c
+            self._host.append(None)
+        elif isinstance(c, torch.Tensor):
             if self._counts is None:
                 self._counts = torch.zeros(self.size, dtype=torch.float64, device=self.device)
                 self._count_views = list(self._counts.unbind())
@@ -64,6 +111,10 @@ class Ledger:
 
     def loss(self, loss: torch.Tensor) -> None:
         """The latest counted micro-batch's detached loss."""
+        if self.single:
+            self._only[1] = loss
+            self._has_loss[-1] = True
+            return
         if self._losses is None:
             self._losses = torch.zeros(self.size, dtype=torch.float64, device=self.device)
             self._loss_views = list(self._losses.unbind())
@@ -73,7 +124,9 @@ class Ledger:
     def totals(self) -> tuple[Count, torch.Tensor]:
         """Fold what is left: ``(sum c_i, sum c_i * loss_i)`` (the total a device tensor where
         any count is one); invalid device counts are marked in ``invalid_at``."""
-        self._fold(final=True)
+        if not self._settled:  # once: a second call (a world asking again) must not add the block twice
+            self._fold(final=True)
+            self._settled = True
         loss_sum = self.loss_sum
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -86,6 +139,8 @@ class Ledger:
         """1 + the index of the first non-finite loss (0: none), as a device mark; for the failure
         path, after :meth:`totals`."""
         n = len(self._host)
+        if self.single and self._only[1] is not None:
+            return _first(0.0, ~torch.isfinite(self._only[1].reshape(1)), 0)
         if not n or self._losses is None:
             return self.nonfinite_at
         return _first(self.nonfinite_at, ~torch.isfinite(self._losses[:n]), self.start)
@@ -95,6 +150,9 @@ class Ledger:
         non-finite loss (its values are about to go)."""
         n, host = len(self._host), self._host
         if not n:
+            return
+        if self.single:
+            self._fold_only()
             return
         for j in range(n):  # no loss (skipped) or a host count of 0: adds nothing, even a NaN mean
             if self._losses is not None and (not self._has_loss[j] or host[j] == 0):
@@ -117,6 +175,18 @@ class Ledger:
             self.nonfinite_at = _first(self.nonfinite_at, ~torch.isfinite(self._losses[:n]), self.start)
         if not final:
             self._host, self._has_loss = [], []
+
+    def _fold_only(self) -> None:
+        """The one micro-batch of a step that streams one: its count and loss as they are."""
+        c, loss = self._only
+        if c is not None:  # a device count
+            self.device_total = c
+            self.invalid_at = _first(0.0, ~((c >= 0) & (c < math.inf)).reshape(1), 0)
+            if loss is not None:
+                value = loss.to(torch.float64)
+                self.loss_sum = torch.where(c > 0, value * c, torch.zeros_like(value))
+        elif loss is not None and self._host[0] != 0:
+            self.loss_sum = loss.to(torch.float64) * self._host[0]
 
     def _weighted_sum(self, n: int) -> torch.Tensor:
         """``sum_j c_j * loss_j`` over the block's first ``n`` slots, in float64."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mbs_ext.counts.ledger import Ledger
+from mbs_ext.counts.ledger import ledger_for
 from mbs_ext.counts.sources import INVALID_COUNT, Count, Source
 
 
@@ -54,10 +54,10 @@ def rule_of(normalize: Any) -> Rule:
 class Normalizer:
     """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches.
 
-    Per micro-batch it only copies the count and the detached loss into the step's
-    :class:`~mbs_ext.counts.ledger.Ledger` (a fixed block, folded as it fills): what a step
-    keeps does not grow with its micro-batches, and the totals, the loss and the validation of
-    device counts take a few vectorized operations per block.
+    Per micro-batch it only hands the count and the detached loss to the step's
+    :mod:`~mbs_ext.counts.ledger` (running host sums on the CPU; elsewhere a fixed block of
+    slots, folded on the device as it fills): what a step keeps does not grow with its
+    micro-batches, and nothing is read from a device before the step's one sync.
     """
 
     def __init__(self, rule: Rule, source: Source, *, num_micro_batches: int, device: torch.device) -> None:
@@ -65,7 +65,7 @@ class Normalizer:
         self.num_mb = num_micro_batches
         self.device = device
         self.is_sum = rule.kind == "sum"
-        self.ledger = Ledger(device, num_micro_batches)
+        self.ledger = ledger_for(device, num_micro_batches)
         # Each micro-batch's (start, stop) positions, for messages: two host ints per micro-batch,
         # the size of the split itself.
         self.rows_of: list[tuple[int, int]] = []
@@ -118,7 +118,7 @@ class Normalizer:
         and whether one of its device counts is invalid (all on the device, no read)."""
         total, loss_sum = self.ledger.totals()
         invalid_at = self.ledger.invalid_at
-        flag = (invalid_at > 0).to(torch.float64) if isinstance(invalid_at, torch.Tensor) else 0.0
+        flag = (invalid_at > 0).to(torch.float64) if isinstance(invalid_at, torch.Tensor) else float(invalid_at > 0)
         return (1.0 if self.is_sum else total), loss_sum, flag
 
     def settle(self, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

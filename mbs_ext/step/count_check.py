@@ -2,11 +2,13 @@
 
 What is checked and how: :mod:`mbs_ext.counts.agreement`. Here: when it runs - the first step of
 a signature that streams more than one micro-batch (one micro-batch weighs 1 whatever its count),
-with a loss given as a callable (an ``nn`` loss's count is read from it, exact by construction),
+with a loss given as a callable and no ``normalize=`` (the step then guesses a mean over rows; an
+``nn`` loss's count is read from it, exact by construction; a count the user gave is theirs),
 in one process or across replicas (under FSDP2 a forward is a collective only some ranks would
 run), with no BatchNorm normalizing by batch statistics (its halves would be normalized apart:
 :class:`~mbs_ext.step.batchnorm.BatchNormWarning` says that already) and parameters of at least
-float32 - and that it leaves no trace (RNG, buffers and ``.grad`` put back by the probes' own guard).
+float32, not under a bf16/fp16 autocast (its rounding would hide what the halves tell) - and that
+it leaves no trace (RNG, buffers and ``.grad`` put back by the probes' own guard).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def check_once(checked: set, key: tuple, model: nn.Module, call: Any, options: A
     if not options.check_count or key in checked:
         return
     checked.add(key)
-    if (size >= call.info.rows or call.normalizing or isinstance(loss_fn, nn.modules.loss._Loss)
-            or call.world.runs_every_micro_batch or any(p.dtype in LOW_PRECISION for p in call.params)):
+    if (size >= call.info.rows or options.normalize is not None or isinstance(loss_fn, nn.modules.loss._Loss)
+            or call.normalizing or call.world.runs_every_micro_batch or options.autocast_dtype in LOW_PRECISION
+            or any(p.dtype in LOW_PRECISION for p in call.params)):
         return
     with probing(model, call.device):
         first = probe_batch(call.batch, size, call.info.indices, call.device)
