@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mbs_ext.counts.ledger import ledger_for
+from mbs_ext.counts.ledger import Ledger
 from mbs_ext.counts.sources import INVALID_COUNT, Count, Source
 
 
@@ -55,8 +55,8 @@ class Normalizer:
     """Counts, weights and totals of one step over ``num_micro_batches`` local micro-batches.
 
     Per micro-batch it only hands the count and the detached loss to the step's
-    :mod:`~mbs_ext.counts.ledger` (running host sums on the CPU; elsewhere a fixed block of
-    slots, folded on the device as it fills): what a step keeps does not grow with its
+    :class:`~mbs_ext.counts.ledger.Ledger` (a fixed block of slots, folded on the device as it
+    fills): what a step keeps does not grow with its
     micro-batches, and nothing is read from a device before the step's one sync.
     """
 
@@ -65,7 +65,7 @@ class Normalizer:
         self.num_mb = num_micro_batches
         self.device = device
         self.is_sum = rule.kind == "sum"
-        self.ledger = ledger_for(device, num_micro_batches)
+        self.ledger = Ledger(device, num_micro_batches)
         # Each micro-batch's (start, stop) positions, for messages: two host ints per micro-batch,
         # the size of the split itself.
         self.rows_of: list[tuple[int, int]] = []

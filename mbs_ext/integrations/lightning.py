@@ -206,7 +206,10 @@ class _StreamingMixin:
             plugin = self.precision_plugin
             if opts.scaler is None and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
                 opts = opts.replace(scaler=plugin.scaler)
-            s = self._mbs_streamer = MicroBatchStreamer(self.model, None, self._mbs_loss, options=opts)
+            # No first-step count check: its three forwards would call training_step, whose logs
+            # this strategy gathers into the step's own.
+            s = self._mbs_streamer = MicroBatchStreamer(self.model, None, self._mbs_loss,
+                                                        options=opts.replace(check_count=False))
         return s
 
     def _mbs_loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:

@@ -147,7 +147,9 @@ class StreamingTrainer(Trainer):
                 "the Accelerator's GradScaler under fp16); leave them unset here"
             )
         self._check_setup(normalize)
-        self.stream_options = base.replace(**sizes, normalize=normalize)
+        # No first-step count check: its forwards would run compute_loss, which the Trainer
+        # accounts for; the Trainer's count is compared with the model's instead (_warn_if_counts_differ).
+        self.stream_options = base.replace(**sizes, normalize=normalize, check_count=False)
         self.last_stream_result: mbs_ext.StepResult | None = None
         self._counts_compared = False  # whether the plain Trainer's count was compared with ours (once)
 
