@@ -75,7 +75,8 @@ def test_write_table(tmp_path):
 @pytest.mark.slow
 def test_main_tiny(tmp_path, capsys):
     out = tmp_path / "tbl"
-    assert table.main(["--out", str(out), "--epochs", "1", "--max-steps", "1", "--sizes", "16,all"]) == 0
+    argv = ["--out", str(out), "--epochs", "1", "--max-steps", "1", "--sizes", "16,all", "--sweep", "1"]
+    assert table.main(argv) == 0
     md = (out / "table.md").read_text()
     assert (out / "table.png").exists()
     data = json.loads((out / "table.json").read_text())
@@ -84,6 +85,10 @@ def test_main_tiny(tmp_path, capsys):
     assert all(r["mbs"]["ok"] for r in data["rows"])
     assert data["rows"][0]["full"]["ok"] and not data["rows"][1]["full"]["ok"]
     assert "Failed" in md and "Failed" in capsys.readouterr().out
+    # The sweep ran too (one multiple here), beside the table.
+    assert (out / "sweep.png").stat().st_size > 1000
+    assert data["sweep"]["multiples"] == [1] and set(data["sweep"]["models"]) == set(table.SWEEP_MODELS)
+    assert "## Peak memory against mini-batch size" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
@@ -106,3 +111,73 @@ def test_gpu_table_bisects_the_largest_full_batch(monkeypatch):
         monkeypatch.setattr(table_gpu, "_run", fake_run)
         found = table_gpu.largest_full_batch({}, 1.0)
         assert limit - limit // 32 <= found <= limit and len(calls) <= 16, (limit, found, calls)
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+@linux_only
+@pytest.mark.slow
+def test_sweep_mbs_peak_is_flat_and_the_full_batch_fails(cal):
+    """The papers' property, measured by the OS: one MBS step at 16x the largest full batch F
+    peaks within a few MiB of one at 1x, for the plain CNN and the BatchNorm one, under the same
+    cap where the full batch fails just above F."""
+    res = table.sweep([1, 16], cap=cal["cap"], micro=16, jobs=2, threads=1, log=lambda *a, **k: None)
+    assert res["multiples"] == [1, 16]
+    for model, found in res["models"].items():
+        f, failed = found["full_batch"], found["failed_at"]
+        assert f is not None and 16 <= f < failed <= 2 * f, (model, f, failed)
+        full = {r["size"]: r for r in found["full"]}
+        assert all(r["ok"] for size, r in full.items() if size <= f) and not full[failed]["ok"], found["full"]
+        assert len(found["mbs"]) == 2 and all(r["ok"] for r in found["mbs"]), found["mbs"]
+        one, sixteen = found["mbs"]
+        assert (one["size"], sixteen["size"], sixteen["multiple"]) == (f, 16 * f, 16)
+        assert abs(sixteen["peak_rss"] - one["peak_rss"]) < 3 << 20, (model, one, sixteen)
+        # ... and far below what the full batch needed at 1x.
+        assert sixteen["peak_rss"] < full[f]["peak_rss"] / 2, (model, sixteen, full[f])
+
+
+def test_full_batch_sizes():
+    sizes = table.full_batch_sizes(16, limit=256)
+    assert sizes[0] == 16 and sizes[-1] == 256 and sizes == sorted(set(sizes))
+    assert all(1.1 < b / a < 1.3 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_sweep_option():
+    assert table._parser().parse_args([]).sweep == [1, 4, 16, 64, 256]
+    assert table._parser().parse_args(["--sweep", "16,1,4,1"]).sweep == [1, 4, 16]
+    assert table._parser().parse_args(["--sweep", "none"]).sweep == []
+    for bad in ("0", "1,x", ",", ""):
+        with pytest.raises(SystemExit):
+            table._parser().parse_args(["--sweep", bad])
+
+
+def test_write_table_with_sweep(tmp_path):
+    def rec(size, peak_mib, rate=500.0, ok=True, **kw):
+        return {"size": size, "ok": ok, "peak_rss": int(peak_mib * (1 << 20)), "samples_per_s": rate, **kw}
+
+    sweep = {
+        "micro": 16, "cap_bytes": 30 << 20, "multiples": [1, 4],
+        "models": {
+            "cnn": {
+                "full_batch": 100, "failed_at": 119,
+                "full": [rec(84, 19.0), rec(100, 22.0, 400.0), rec(119, 29.0, ok=False, error="RuntimeError: x")],
+                "mbs": [rec(100, 4.0, 600.0, multiple=1), rec(400, 4.5, 650.0, multiple=4)],
+            },
+        },
+    }
+    ok = {"ok": True, "accuracy": 0.9, "epoch_s": 1.25}
+    rows = [{"size": 16, "micro": 16, "full": dict(ok), "mbs": dict(ok)}]
+    paths = table.write_table(rows, tmp_path, {"n_train": 1437, "cap_bytes": 30 << 20}, sweep)
+    md = paths["md"].read_text()
+    assert "| cnn | 1 | 100 | 22.0 | 400 | 4.0 | 600 |" in md
+    assert "| cnn | 4 | 400 | Failed | Failed | 4.5 | 650 |" in md  # failed at 119: not run again
+    assert "F = 100" in md and "119: Failed (RuntimeError: x)" in md
+    assert paths["sweep_png"].stat().st_size > 1000
+    assert json.loads(paths["json"].read_text())["sweep"]["models"]["cnn"]["full_batch"] == 100
+
+
+def test_help_names_the_sweep_option(capsys):
+    with pytest.raises(SystemExit):
+        table.main(["--help"])
+    assert "--sweep MULTIPLES" in " ".join(capsys.readouterr().out.split())
