@@ -55,6 +55,7 @@ class Ledger:
         self.single = num_micro_batches == 1
         self._only: list = [None, None]  # its (device count, loss)
         self._settled = False
+        self.factor = 1.0  # what the loss sum is to be multiplied by once read (a lone micro-batch's host count)
 
     def count(self, index: int, c: Count) -> None:
         """Micro-batch ``index``'s count (indices come in order, from 0)."""
@@ -152,7 +153,8 @@ class Ledger:
                 value = loss.to(torch.float64)
                 self.loss_sum = torch.where(c > 0, value * c, torch.zeros_like(value))
         elif loss is not None and self._host[0] != 0:
-            self.loss_sum = loss.to(torch.float64) * self._host[0]
+            # The loss as it is, its host count applied on the host after the one read: no operation.
+            self.loss_sum, self.factor = loss, self._host[0]
 
     def _weighted_sum(self, n: int) -> torch.Tensor:
         """``sum_j c_j * loss_j`` over the block's first ``n`` slots, in float64."""

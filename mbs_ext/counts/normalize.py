@@ -73,6 +73,7 @@ class Normalizer:
         # sets them; under a token split positions are not row numbers).
         self.describe_rows: Callable[[int, int], str] = lambda start, stop: f"rows [{start}, {stop})"
         self.loss_sum: torch.Tensor | None = None  # set by settle (global across ranks)
+        self.factor = 1.0  # what the loss sum read is multiplied by (the ledger's, in one process)
         self.total: Count | None = None  # the global D, once settled
         self.settled = False
         # Whether any rank had an invalid device count (across ranks): a device value until the
@@ -117,6 +118,8 @@ class Normalizer:
         """This rank's part of the step's collective: its total count, its ``sum_i c_i * loss_i``
         and whether one of its device counts is invalid (all on the device, no read)."""
         total, loss_sum = self.ledger.totals()
+        if self.ledger.factor != 1.0:  # the ranks add products, not a lone loss and its count
+            loss_sum = loss_sum.to(torch.float64) * self.ledger.factor
         invalid_at = self.ledger.invalid_at
         flag = (invalid_at > 0).to(torch.float64) if isinstance(invalid_at, torch.Tensor) else float(invalid_at > 0)
         return (1.0 if self.is_sum else total), loss_sum, flag
@@ -125,6 +128,7 @@ class Normalizer:
         """The totals: this process's own, or ``shared`` - the ranks' sums of :meth:`local_values`."""
         if shared is None:
             total, self.loss_sum = self.ledger.totals()
+            self.factor = self.ledger.factor
         else:
             total, self.loss_sum, self.invalid_anywhere = shared
         self.total = 1.0 if self.is_sum else total
@@ -155,7 +159,7 @@ class Normalizer:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
             )
-        return loss_sum / total
+        return loss_sum * self.factor / total
 
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
