@@ -5,7 +5,7 @@ another count (rows where the loss averages over tokens, unshifted labels where 
 shifts them), it takes another step than the full batch's, and nothing in the numbers shows it.
 A loss that averages over items obeys, on two halves ``A`` and ``B`` of a micro-batch,
 ``L(A+B) = (n_A L(A) + n_B L(B)) / (n_A + n_B)`` (a sum: ``L(A) + L(B)``), with ``n`` the items of each
-half. So on the first step of a signature three forwards with no backward (the first micro-batch
+half. So after the first step of a signature three forwards with no backward (the first micro-batch
 and its halves, dropout off, in the parameters' own precision) tell whether the count given fits,
 and which of the usual counts does; a loss that fits none may couple the rows. The caller warns
 (:class:`CountWarning`), once per signature; ``StepOptions(check_count=False)`` turns it off.

@@ -7,8 +7,11 @@ with a loss given as a callable and no ``normalize=`` (the step then guesses a m
 in one process or across replicas (under FSDP2 a forward is a collective only some ranks would
 run), with no BatchNorm normalizing by batch statistics (its halves would be normalized apart:
 :class:`~mbs_ext.step.batchnorm.BatchNormWarning` says that already) and parameters of at least
-float32, not under a bf16/fp16 autocast (its rounding would hide what the halves tell) - and that
-it leaves no trace (RNG, buffers and ``.grad`` put back by the probes' own guard).
+float32, not under a bf16/fp16 autocast (its rounding would hide what the halves tell); after the
+step, at the size that streamed (no-grad forwards of one micro-batch need less than the step did,
+and run before it they left glibc's heap a step's planned peak 1.3-1.6% over its budget,
+``tests/test_planner_os.py``) - and that it leaves no trace (RNG, buffers and ``.grad`` put back by
+the probes' own guard).
 """
 
 from __future__ import annotations

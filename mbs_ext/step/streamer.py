@@ -132,7 +132,6 @@ class MicroBatchStreamer:
                 size, key = self.cache.size_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 # Probes run on the module the world names (under DDP: no collectives).
                 probed, agree = binding.world.backoff(self.model, binding.device)
-                self.cache.check_count(key, probed, call, self.options, size, self.loss_fn)
                 options = self.cache.tokens_for(self.model, self.options, batch, call.info, binding, call.loss_call)
                 shrunk = axis(probed, call, options, size, key, self.cache.size_cap,
                               lambda options, m: attempt.run(self.model, optimizer, options,
@@ -142,6 +141,8 @@ class MicroBatchStreamer:
                     retryable=attempt.retryable, out_of_memory=attempt.out_of_memory, fits_at=shrunk.fits_at,
                     free=shrunk.free, agree=agree,
                 )
+                # After the step: its forwards must not move the step's own peak.
+                self.cache.check_count(key, probed, call, self.options, result.micro_batch_size, self.loss_fn)
         except Exception as exc:
             attempt.share_failure(exc, binding.params, binding.device, self.options.accumulate_dtype)
             raise
