@@ -31,24 +31,22 @@ def load_digits(size: int = 32, seed: int = 0, test_fraction: float = 0.2):
     return images[train].contiguous(), labels[train].contiguous(), images[test].contiguous(), labels[test].contiguous()
 
 
-def small_cnn(image_size: int = 32, seed: int | None = None, width: int = 16, num_classes: int = 10) -> nn.Module:
-    """A BatchNorm-free CNN for 1 x image_size x image_size inputs whose activations (about
-    270 KB a sample at 32x32) dwarf its weights. ``seed`` reseeds torch first when given."""
+def small_cnn(image_size: int = 32, seed: int | None = None, width: int = 16, num_classes: int = 10,
+              batchnorm: bool = False) -> nn.Module:
+    """A CNN for 1 x image_size x image_size inputs whose activations (about 270 KB a sample at
+    32x32) dwarf its weights; BatchNorm-free unless ``batchnorm`` puts an ``nn.BatchNorm2d`` after
+    each convolution (before its ReLU). ``seed`` reseeds torch first when given."""
     if seed is not None:
         torch.manual_seed(seed)
     side = image_size // 4
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(2 * width * side * side, 64),
-        nn.ReLU(),
-        nn.Linear(64, num_classes),
-    )
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((1, width), (width, 2 * width)):
+        layers.append(nn.Conv2d(c_in, c_out, 3, padding=1))
+        if batchnorm:
+            layers.append(nn.BatchNorm2d(c_out))
+        layers += [nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(2 * width * side * side, 64), nn.ReLU(),
+                         nn.Linear(64, num_classes))
 
 
 def small_bn_cnn(image_size: int = 32, seed: int | None = None, width: int = 16, num_classes: int = 10) -> nn.Module:
@@ -57,23 +55,7 @@ def small_bn_cnn(image_size: int = 32, seed: int | None = None, width: int = 16,
     Plain BatchNorm: :func:`mbs_ext.step` defers its running statistics by itself (one commit
     per mini-batch; each micro-batch is normalized with its own statistics and the step warns
     once, :class:`mbs_ext.BatchNormWarning`)."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    side = image_size // 4
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1),
-        nn.BatchNorm2d(width),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.BatchNorm2d(2 * width),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(2 * width * side * side, 64),
-        nn.ReLU(),
-        nn.Linear(64, num_classes),
-    )
+    return small_cnn(image_size, seed, width, num_classes, batchnorm=True)
 
 
 @torch.no_grad()
