@@ -73,6 +73,7 @@ from mbs_ext.diagnostics import child_env, malloc_trim, proc_status
 RESULT_TAG = "MBS_TABLE_RESULT "
 DEFAULT_SIZES = "16,32,64,128,256,512,1024,all"
 DEFAULT_SWEEP = "1,4,16,64,256"
+GPU_SWEEP = "16,64,91"  # --device cuda: the papers' multiples of the largest full batch
 SWEEP_MODELS = {"cnn": small_cnn, "bn_cnn": small_bn_cnn}
 CAP_FACTOR = 1.5
 CAP_SLACK = 16 << 20
@@ -610,13 +611,15 @@ def _plot_sweep(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _multiples(text: str) -> list[int]:
-    """An argparse type: 'none' (no sweep) or comma-separated integers >= 1."""
+def _multiples(text: str) -> list[int] | None:
+    """An argparse type: 'none' (no sweep), 'auto' (None: the device's default) or comma-separated integers >= 1."""
     if text.strip().lower() == "none":
         return []
+    if text.strip().lower() == "auto":
+        return None
     tokens = [tok.strip() for tok in text.split(",") if tok.strip()]
     if not tokens or not all(tok.isdigit() and int(tok) >= 1 for tok in tokens):
-        raise argparse.ArgumentTypeError(f"must be 'none' or comma-separated integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be 'none', 'auto' or comma-separated integers >= 1, got {text!r}")
     return sorted({int(tok) for tok in tokens})
 
 
@@ -785,9 +788,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=argtypes.int_at_least(1), default=3, help="--device cuda: timed steps per run")
     p.add_argument("--child-timeout", type=argtypes.positive, default=300, help=argparse.SUPPRESS)
     # Listed in the epilog (the options' list is pinned by tests/test_cli.py).
-    p.add_argument("--sweep", type=_multiples, default=DEFAULT_SWEEP,
-                   help="multiples of the largest full batch for the memory sweep (e.g. 1,4,16,64,256,1024), "
-                        "or none")
+    p.add_argument("--sweep", type=_multiples, default="auto",
+                   help=f"multiples of the largest full batch for the memory sweep (e.g. 1,4,16,64,256,1024), "
+                        f"none, or auto: {DEFAULT_SWEEP} on cpu, {GPU_SWEEP} on cuda")
     # Child-process options (internal).
     p.add_argument("--child", choices=("calibrate", "row", "sweep"), help=argparse.SUPPRESS)
     p.add_argument("--sweep-model", choices=tuple(SWEEP_MODELS), default="cnn", help=argparse.SUPPRESS)
@@ -811,8 +814,10 @@ def main(argv: list[str] | None = None) -> int:
         from mbs_ext.apps import table_gpu
 
         args.image_size = 224 if args.image_size == "auto" else args.image_size
+        args.sweep = _multiples(GPU_SWEEP) if args.sweep is None else args.sweep
         return table_gpu.main(args)
     args.image_size = 32 if args.image_size == "auto" else args.image_size
+    args.sweep = _multiples(DEFAULT_SWEEP) if args.sweep is None else args.sweep
     if args.child:
         args.mode = args.child
         return _sweep_child(args) if args.child == "sweep" else _child(args)
