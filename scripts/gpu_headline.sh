@@ -12,7 +12,8 @@
 #   (-k cuda) on 12 workers, beside it the memory-flat property on CUDA (bench/flat_memory.py:
 #   torch.cuda.max_memory_allocated over a step of 8 and of 1,024 micro-batches, each case a fresh
 #   process); then Table 4 on the GPU (ResNet-50 under a 4 GiB cap, TABLE_SWEEP multiples of the
-#   largest full batch, one round, one timed step after a warm-up).
+#   largest full batch, one round, one timed step after a warm-up; TABLE_FULL_BATCH=44 skips the
+#   search for the largest full batch, which took 215 s on an H100 in 2026-11-28's run).
 # Run 2: the ring's overlap at balanced compute in three fresh processes, then the step study.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,7 +83,7 @@ if [ "$PART" = headline ]; then
   cat "$W/flat_cuda.log"
   grep -E "^(FAILED|ERROR) |passed|failed" "$W/cuda_suite.log" | tail -n 20
   step table_gpu 400 python3 -m mbs_ext table --device cuda --model resnet50 --cap-gib 4 --rounds 1 --steps 1 \
-    --sweep "${TABLE_SWEEP:-1,16,91,256,1024}" --out "$W/table"
+    --sweep "${TABLE_SWEEP:-16,91,256}" --full-batch "${TABLE_FULL_BATCH:-0}" --out "$W/table"
 else
   step ring_overlap 120 bash -c 'for i in 1 2 3; do python3 bench/ring_overlap_gpu.py; done' 
   cat "$W/ring_overlap.log"

@@ -115,7 +115,7 @@ TABLE_DEFAULTS = {
     "--out": "mbs_table", "--epochs": "3", "--micro-batch": "16", "--sizes": "16,32,64,128,256,512,1024,all",
     "--jobs": "0", "--max-steps": "0", "--seed": "0", "--lr": "0.001", "--image-size": "auto",
     "--device": "cpu", "--model": "resnet50", "--cap-gib": "4.0", "--rounds": "3", "--steps": "3",
-    "--sweep": "auto",
+    "--sweep": "auto", "--full-batch": "0",
 }
 
 

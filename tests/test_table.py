@@ -144,7 +144,11 @@ def test_full_batch_sizes():
 
 
 def test_sweep_option():
-    assert table._parser().parse_args([]).sweep == [1, 4, 16, 64, 256]
+    assert table._parser().parse_args([]).sweep is None  # auto: the device's default
+    assert table.sweep_multiples(None, "cpu") == [1, 4, 16, 64, 256]
+    assert table.sweep_multiples(None, "cuda") == [16, 64, 91]
+    assert table.sweep_multiples([2, 8], "cuda") == [2, 8]
+    assert table._parser().parse_args(["--sweep", "auto"]).sweep is None
     assert table._parser().parse_args(["--sweep", "16,1,4,1"]).sweep == [1, 4, 16]
     assert table._parser().parse_args(["--sweep", "none"]).sweep == []
     for bad in ("0", "1,x", ",", ""):

@@ -623,6 +623,13 @@ def _multiples(text: str) -> list[int] | None:
     return sorted({int(tok) for tok in tokens})
 
 
+def sweep_multiples(parsed: list[int] | None, device: str) -> list[int]:
+    """--sweep as parsed, with 'auto' (None) made the device's own default."""
+    if parsed is not None:
+        return parsed
+    return _multiples(GPU_SWEEP if device == "cuda" else DEFAULT_SWEEP)
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -786,6 +793,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-gib", type=argtypes.positive, default=4.0, help="--device cuda: per-process CUDA memory cap")
     p.add_argument("--rounds", type=argtypes.int_at_least(1), default=3, help="--device cuda: rounds (medians)")
     p.add_argument("--steps", type=argtypes.int_at_least(1), default=3, help="--device cuda: timed steps per run")
+    p.add_argument("--full-batch", type=argtypes.int_at_least(0), default=0,
+                   help="--device cuda: the largest full batch under the cap when known (0: search for it)")
     p.add_argument("--child-timeout", type=argtypes.positive, default=300, help=argparse.SUPPRESS)
     # Listed in the epilog (the options' list is pinned by tests/test_cli.py).
     p.add_argument("--sweep", type=_multiples, default="auto",
@@ -814,10 +823,10 @@ def main(argv: list[str] | None = None) -> int:
         from mbs_ext.apps import table_gpu
 
         args.image_size = 224 if args.image_size == "auto" else args.image_size
-        args.sweep = _multiples(GPU_SWEEP) if args.sweep is None else args.sweep
+        args.sweep = sweep_multiples(args.sweep, args.device)
         return table_gpu.main(args)
     args.image_size = 32 if args.image_size == "auto" else args.image_size
-    args.sweep = _multiples(DEFAULT_SWEEP) if args.sweep is None else args.sweep
+    args.sweep = sweep_multiples(args.sweep, args.device)
     if args.child:
         args.mode = args.child
         return _sweep_child(args) if args.child == "sweep" else _child(args)
