@@ -246,6 +246,16 @@ def test_cached_loss_is_not_a_per_micro_batch_loss():
         mbs_ext.CachedLoss(None, info_nce)
 
 
+def test_cached_loss_names_the_signature_its_callables_need():
+    """A one-argument encode or loss (the per-batch habit) is named at construction, with the fix."""
+    with pytest.raises(TypeError, match=r"encode must take two arguments, encode\(model, micro_batch\); "
+                                        r"<lambda> takes \(mb\): write it as lambda model, micro_batch"):
+        mbs_ext.CachedLoss(lambda mb: mb, info_nce)
+    with pytest.raises(TypeError, match=r"loss must take two arguments, loss\(model, encodings\)"):
+        mbs_ext.CachedLoss(lambda model, mb: model(mb), lambda enc: enc.sum())
+    assert mbs_ext.CachedLoss(lambda model, mb, *rest: mb, lambda *args: args[1]) is not None  # binds: accepted
+
+
 def test_forward_concatenates_micro_batch_outputs_in_batch_order():
     model = TwoTower(dropout=0.0)
     batch = pairs(n=30)
@@ -615,6 +625,38 @@ def test_step_says_when_the_count_does_not_fit_a_token_mean_loss():
         fresh = _TokenModel()
         mbs_ext.step(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch, _token_mean(True),
                      micro_batch_size=4, normalize=lambda mb: (mb["labels"][..., 1:] != -100).sum())
+
+
+def test_step_says_when_the_count_given_is_one_token_a_row_off():
+    """normalize= given but not what the loss averages over: the unshifted label count for a causal
+    LM's shifted loss (the README's count before 2026-11-28, 5e-4 off on GPT-2) is a near miss the
+    first step names, with the shifted count as the fix; the step with that count is the full
+    batch's to float64 rounding, and says nothing; check_count=False turns the check off."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, batch = _TokenModel().double(), _token_batch()
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model)
+    unshifted = lambda mb: (mb["labels"] != -100).sum()  # noqa: E731
+    shifted = lambda mb: (mb["labels"][..., 1:] != -100).sum()  # noqa: E731
+    with pytest.warns(mbs_ext.CountWarning, match=r"\(the normalize callable\).*count that fits: normalize="
+                                                  r"lambda mb: \(mb\[\"labels\"\]\[\.\.\., 1:\]"):
+        mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, _token_mean(True),
+                     micro_batch_size=4, normalize=unshifted)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ropt.zero_grad()
+    _token_mean(True)(ref, batch).backward()
+    ropt.step()
+    off = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    assert off > 1e-6  # the warning is about a real difference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mbs_ext.step(exact, torch.optim.SGD(exact.parameters(), lr=0.1), batch, _token_mean(True),
+                     micro_batch_size=4, normalize=shifted)
+        again = _TokenModel().double()
+        mbs_ext.step(again, torch.optim.SGD(again.parameters(), lr=0.1), batch, _token_mean(True),
+                     micro_batch_size=4, normalize=unshifted, check_count=False)
+    assert max(rel_err(a, b) for a, b in zip(exact.parameters(), ref.parameters())) <= 1e-12
 
 
 def test_step_says_when_a_loss_couples_the_rows():

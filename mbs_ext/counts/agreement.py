@@ -12,8 +12,11 @@ and which of the usual counts does; a loss that fits none may couple the rows. T
 
 The halves must differ in their losses for this to tell anything (``|L(A) - L(B)|`` at least 1e-3
 of ``L``); where they are alike any count fits and nothing is said, which is also where a wrong
-count matters least. Float32 rounding of the three forwards is about 1e-6 of ``L``, far under the
-2% of ``|L(A) - L(B)|`` a count must miss by to be said to miss.
+count matters least. A count misses where its prediction is off by 2% of ``|L(A) - L(B)|``, or,
+above the forwards' rounding (1e-5 of ``L`` in float32, 1e-3 under TF32, 1e-12 in float64), where
+one of the usual counts predicts ``L(A+B)`` ten times closer: a count one token a row off (the
+unshifted labels of a causal LM) moves the prediction by well under 2% of the difference, but
+the shifted count meets it to the rounding.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mbs_ext.streaming import batch as _batch
 
 SPREAD = 1e-3  # the halves' losses must differ by this much of the loss to tell counts apart
 MISS = 0.02  # a count misses when its prediction is off by this much of the halves' difference
+BETTER = 10  # ... or where the rounding allows, when another count's prediction is this many times closer
 
 
 class CountWarning(UserWarning):
@@ -49,14 +53,23 @@ def mismatch(model: nn.Module, loss_call: Callable[[nn.Module, Any], torch.Tenso
     losses = _losses(model, loss_call, [micro_batch, *halves])
     if losses is None:
         return None
-    whole, la, lb = losses
+    (whole, la, lb), exact64 = losses
     if abs(la - lb) < SPREAD * abs(whole):
         return None
     counts = _candidates(rule, halves, (half, rows - half))
     given = counts.pop("given")
-    if given is None or _fits(given, whole, la, lb):
+    if given is None:
         return None
-    fitting = [name for name, c in counts.items() if _fits(c, whole, la, lb)]
+    floor = _rounding(model, exact64) * abs(whole)
+    loose = max(floor, MISS * abs(la - lb))
+    off = _residual(given, whole, la, lb)
+    if off <= floor:
+        return None
+    residuals = {name: _residual(c, whole, la, lb) for name, c in counts.items()}
+    fitting = [name for name in sorted(residuals, key=residuals.get) if residuals[name] <= loose
+               and (off > loose or residuals[name] * BETTER < off)]  # near misses: only a far better fit says
+    if off <= loose and not fitting:
+        return None
     named = "the rows" if rule.kind == "samples" else ("a sum" if rule.kind == "sum" else rule.source)
     fix = (f"the count that fits: normalize={fitting[0]}" if fitting else
            "none of the usual counts fits: the loss may couple the rows (mbs_ext.check_streamable tells, and "
@@ -67,20 +80,29 @@ def mismatch(model: nn.Module, loss_call: Callable[[nn.Module, Any], torch.Tenso
             f"give; the step's gradient is not the full batch's. {fix[0].upper() + fix[1:]}")
 
 
-def _losses(model: nn.Module, loss_call: Callable, parts: list[Any]) -> list[float] | None:
-    """The loss of each part, dropout off, with no graph; None where one is not finite."""
+def _losses(model: nn.Module, loss_call: Callable, parts: list[Any]) -> tuple[list[float], bool] | None:
+    """The loss of each part, dropout off, with no graph, and whether all three are float64; None where
+    one is not finite."""
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
     for m in dropouts:
         m.training = False
     try:
+        # Eager: three forwards of other shapes with no graph would cost a compiled model
+        # recompilations (a no-grad graph, a half's size) for nothing it keeps. torch.compile's
+        # module runs its own module eagerly; compiled functions the loss calls are skipped.
+        own = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+        eager = torch.compiler.disable(loss_call, recursive=True)
         with torch.no_grad():
-            values = [_value(loss_call(model, part)) for part in parts]
+            losses = [eager(own, part) for part in parts]
+            values = [_value(loss) for loss in losses]
     except Exception:  # noqa: BLE001 - the step runs the same call next and reports it with its notes
         return None
     finally:
         for m in dropouts:
             m.training = True
-    return values if all(v is not None and math.isfinite(v) for v in values) else None
+    if not all(v is not None and math.isfinite(v) for v in values):
+        return None
+    return values, all(loss.dtype == torch.float64 for loss in losses)
 
 
 def _value(loss: Any) -> float | None:
@@ -112,13 +134,27 @@ def _candidates(rule: Rule, halves: list[Any], rows: tuple[int, int]) -> dict[st
     return out
 
 
-def _fits(counts: tuple[float, float], whole: float, la: float, lb: float) -> bool:
-    """Whether ``whole`` is the halves' mean weighed by ``counts`` (``inf``: their sum)."""
+def _residual(counts: tuple[float, float] | None, whole: float, la: float, lb: float) -> float:
+    """How far ``whole`` is from the halves' mean weighed by ``counts`` (``inf``: their sum)."""
+    if counts is None:
+        return math.inf
     ca, cb = counts
     if math.isinf(ca):
-        predicted = la + lb
-    elif ca + cb <= 0:
-        return False
-    else:
-        predicted = (ca * la + cb * lb) / (ca + cb)
-    return abs(whole - predicted) <= MISS * abs(la - lb)
+        return abs(whole - (la + lb))
+    if ca + cb <= 0:
+        return math.inf
+    return abs(whole - (ca * la + cb * lb) / (ca + cb))
+
+
+def _rounding(model: nn.Module, exact64: bool) -> float:
+    """What the three forwards' rounding can move a loss by, as a fraction of it: float64 throughout
+    (model and loss), float32 arithmetic (about 1e-6, with a margin), or TF32 matrix products on a
+    GPU (about 3e-4)."""
+    param = next(model.parameters(), None)
+    if exact64 and param is not None and param.dtype == torch.float64:
+        return 1e-12
+    if param is not None and param.is_cuda and (torch.backends.cuda.matmul.allow_tf32
+                                                  or torch.get_float32_matmul_precision() != "highest"
+                                                  or torch.backends.cudnn.allow_tf32):
+        return 1e-3
+    return 1e-5

@@ -25,6 +25,7 @@ both forwards as long as the split is the same (not after an out-of-memory back-
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -66,14 +67,30 @@ class CachedLoss:
     loss: Callable[[nn.Module, Any], torch.Tensor]
 
     def __post_init__(self) -> None:
-        for name in ("encode", "loss"):
-            if not callable(getattr(self, name)):
-                raise TypeError(f"CachedLoss: {name} must be callable as {name}(model, ...), "
-                                f"got {type(getattr(self, name)).__name__}")
+        for name, second in (("encode", "micro_batch"), ("loss", "encodings")):
+            fn = getattr(self, name)
+            if not callable(fn):
+                raise TypeError(f"CachedLoss: {name} must be callable as {name}(model, {second}), "
+                                f"got {type(fn).__name__}")
+            if not _takes_two(fn):
+                raise TypeError(f"CachedLoss: {name} must take two arguments, {name}(model, {second}); "
+                                f"{getattr(fn, '__name__', type(fn).__name__)} takes "
+                                f"{inspect.signature(fn)}: write it as lambda model, {second}: ...")
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> torch.Tensor:
         raise TypeError("CachedLoss is not a per-micro-batch loss: pass it as loss_fn to mbs_ext.step, "
                         "mbs_ext.accumulate or MicroBatchStreamer, which run its passes")
+
+
+def _takes_two(fn: Callable) -> bool:
+    """Whether ``fn(model, x)`` binds; True where no signature can be read (a builtin: its call says)."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any], *, micro_batch_size: int | str,

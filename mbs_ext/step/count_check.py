@@ -2,8 +2,10 @@
 
 What is checked and how: :mod:`mbs_ext.counts.agreement`. Here: when it runs - the first step of
 a signature that streams more than one micro-batch (one micro-batch weighs 1 whatever its count),
-with a loss given as a callable and no ``normalize=`` (the step then guesses a mean over rows; an
-``nn`` loss's count is read from it, exact by construction; a count the user gave is theirs),
+with a loss given as a callable and no ``normalize=`` (the step then guesses a mean over rows), or
+with a ``normalize=`` given (a count one token a row off, the unshifted labels of a causal LM, is
+the most common way to be a little off; a count the loss matches to its rounding passes) - not an
+``nn`` loss with no ``normalize=``, whose count is read from it, exact by construction -
 in one process or across replicas (under FSDP2 a forward is a collective only some ranks would
 run), with no BatchNorm normalizing by batch statistics (its halves would be normalized apart:
 :class:`~mbs_ext.step.batchnorm.BatchNormWarning` says that already) and parameters of at least
@@ -34,7 +36,7 @@ def check_once(checked: set, key: tuple, model: nn.Module, call: Any, options: A
     if not options.check_count or key in checked:
         return
     checked.add(key)
-    if (size >= call.info.rows or options.normalize is not None or isinstance(loss_fn, nn.modules.loss._Loss)
+    if (size >= call.info.rows or (options.normalize is None and isinstance(loss_fn, nn.modules.loss._Loss))
             or call.normalizing or call.world.runs_every_micro_batch or options.autocast_dtype in LOW_PRECISION
             or any(p.dtype in LOW_PRECISION for p in call.params)):
         return
