@@ -68,8 +68,9 @@ class StepOptions:
       budget whose micro-batch of the longest rows fits ``memory_budget``, planned (as
       ``micro_batch_size="auto"`` plans rows) at the first step and cached per input signature.
     * ``check_count``: after the first step of each input signature that streams more than one
-      micro-batch, with no ``normalize``, check with three forwards (the first micro-batch and its halves, no
-      backward) that a loss given as a callable averages over the count the step weighs by,
+      micro-batch, check with three forwards (the first micro-batch and its halves, no backward)
+      that a loss given as a callable averages over the count the step weighs by (the rows, or
+      the ``normalize`` given),
       and warn (``CountWarning``) naming the count that fits where it does not
       (:mod:`mbs_ext.counts.agreement`). ``False`` turns the check off.
     * ``token_lengths``: where row lengths come from with ``micro_batch_tokens``: None (the
