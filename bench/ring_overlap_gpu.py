@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
-import sys
 
 import torch
 
