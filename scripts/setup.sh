@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with torch and mbs_ext (extension built in place, editable), fitted to the
-# machine: without a GPU the CPU build of torch==2.13.0 and a CPU-only extension (about 1.6 GB,
+# machine: without a GPU the CPU build of torch==2.13.0 and a CPU-only extension (about 1.2 GB by du,
 # about 3 minutes on 2 cores); with a GPU (or when asked) torch==2.14.1, the CUDA 13 build, and the CUDA
 # kernels (about 6 GB). It says which it chose and why; a later run given no MBS_* choice keeps
 # what the venv has. Idempotent: a second run with unchanged sources does nothing.
