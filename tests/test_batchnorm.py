@@ -16,7 +16,7 @@ from common import rel_err, to_f64
 from torch import nn
 
 import mbs_ext
-from mbs_ext.step.batchnorm import DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d
+from mbs_ext.model.batchnorm import DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d
 
 
 class BNFirst(nn.Module):
@@ -230,7 +230,7 @@ def test_batchnorm_class_restored_when_a_step_fails():
 
 def test_batchnorm_classes_restored_when_a_deferral_fails_midway(monkeypatch):
     """The second layer's deferral fails: the first and the failing one get their own class back."""
-    from mbs_ext.step.batchnorm import deferring
+    from mbs_ext.model.batchnorm import deferring
 
     model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
     calls = []

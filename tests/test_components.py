@@ -17,7 +17,9 @@ from mbs_ext import world
 from mbs_ext.counts import normalize
 from mbs_ext.counts import sources as counts
 from mbs_ext.memory import backoff
-from mbs_ext.step import finish, model, options
+from mbs_ext.model import members as model
+from mbs_ext.model import options
+from mbs_ext.step import finish
 from mbs_ext.streaming import batch, ring
 from mbs_ext.world import record, wrappers
 

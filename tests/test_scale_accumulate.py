@@ -399,7 +399,7 @@ def test_accumulation_buffer_views_are_16_byte_aligned(device):
     """Odd-sized parameters do not push later views off the 16-byte vector path; the padding
     between views stays zero; the planner counts the padded buffer."""
     from mbs_ext.memory import planner
-    from mbs_ext.step import grads
+    from mbs_ext.model import grads
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
     model = model.to(device, torch.bfloat16)

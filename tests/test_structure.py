@@ -113,14 +113,14 @@ ROOT = PACKAGE.parent
 COMPONENT_TESTS = {
     "tests/test_components.py": {
         "mbs_ext.counts.loss", "mbs_ext.counts.normalize", "mbs_ext.counts.sources", "mbs_ext.memory.backoff",
-        "mbs_ext.step.finish", "mbs_ext.step.model", "mbs_ext.step.options", "mbs_ext.step.rollback",
+        "mbs_ext.step.finish", "mbs_ext.model.members", "mbs_ext.model.options", "mbs_ext.model.rollback",
         "mbs_ext.streaming.batch", "mbs_ext.streaming.ring", "mbs_ext.world", "mbs_ext.world.record",
         "mbs_ext.world.wrappers",
     },
-    "tests/test_batchnorm.py": {"mbs_ext.step.batchnorm", "mbs_ext.step.batchnorm_rows"},
+    "tests/test_batchnorm.py": {"mbs_ext.model.batchnorm", "mbs_ext.step.batchnorm_rows"},
     "tests/test_batchnorm_ranks.py": {"mbs_ext.world.pairing"},
     "tests/test_ring.py": {"mbs_ext.streaming.ring"},
-    "tests/test_scale_accumulate.py": {"mbs_ext.step.grads", "mbs_ext.memory.planner"},
+    "tests/test_scale_accumulate.py": {"mbs_ext.model.grads", "mbs_ext.memory.planner"},
 }
 
 

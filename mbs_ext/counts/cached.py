@@ -39,7 +39,7 @@ from mbs_ext.memory import planner
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.memory.probe import probe_batch, probing
 from mbs_ext.messages import add_note
-from mbs_ext.step.model import check_grad_mode, model_device, trainable
+from mbs_ext.model.members import check_grad_mode, model_device, trainable
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.world import coupled, world_of

@@ -41,8 +41,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
-from mbs_ext.step import model as _model
-from mbs_ext.step.options import StepOptions, make_options
+from mbs_ext.model import members as _model
+from mbs_ext.model.options import StepOptions, make_options
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult
 from mbs_ext.step.streamer import accumulate as _accumulate
 from mbs_ext.streaming import batch as _batch

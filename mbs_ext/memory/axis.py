@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from mbs_ext.memory import probe
-from mbs_ext.step.options import StepOptions
+from mbs_ext.model.options import StepOptions
 from mbs_ext.streaming.tokens import Tokens
 
 

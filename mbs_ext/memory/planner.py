@@ -39,9 +39,9 @@ from mbs_ext.memory.probe import (
     probing,
     row_bytes,
 )
-from mbs_ext.step.grads import accumulation_dtype, buffer_layout
-from mbs_ext.step.model import check_grad_mode, check_model, model_device, trainable
-from mbs_ext.step.options import check_memory_budget
+from mbs_ext.model.grads import accumulation_dtype, buffer_layout
+from mbs_ext.model.members import check_grad_mode, check_model, model_device, trainable
+from mbs_ext.model.options import check_memory_budget
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.tokens import longest_first
 

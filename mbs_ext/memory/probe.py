@@ -29,9 +29,9 @@ from torch.utils._pytree import tree_flatten
 
 from mbs_ext.counts import loss as _loss
 from mbs_ext.memory.backoff import is_out_of_memory
-from mbs_ext.step.batchnorm import deferred_layers
-from mbs_ext.step.model import members, model_device
-from mbs_ext.step.rollback import Snapshot
+from mbs_ext.model.batchnorm import deferred_layers
+from mbs_ext.model.members import members, model_device
+from mbs_ext.model.rollback import Snapshot
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.world.wrappers import unwrap
 

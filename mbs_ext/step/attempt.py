@@ -1,7 +1,7 @@
 """One attempt at a step at one micro-batch size, and how far it got.
 
 An attempt splits the rows, guards everything the step may change
-(:mod:`~mbs_ext.step.rollback`), then calls the world's hooks in order - buffers and sink,
+(:mod:`~mbs_ext.model.rollback`), then calls the world's hooks in order - buffers and sink,
 the normalizer with its count source, the agreement on micro-batches - streams the
 micro-batches through the pass (:mod:`~mbs_ext.step.forward_backward`), settles in the
 world's collective and finishes (:mod:`~mbs_ext.step.finish`). On any error it undoes
@@ -21,11 +21,11 @@ from torch import nn
 
 from mbs_ext.counts.normalize import Rule
 from mbs_ext.messages import add_note
-from mbs_ext.step.batchnorm import warn_split_statistics
+from mbs_ext.model.batchnorm import warn_split_statistics
+from mbs_ext.model.options import StepOptions
+from mbs_ext.model.rollback import StepGuard
 from mbs_ext.step.finish import Finished, StepResult, finish, finish_gradients
 from mbs_ext.step.forward_backward import ForwardBackward
-from mbs_ext.step.options import StepOptions
-from mbs_ext.step.rollback import StepGuard
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import Rows, Tokens, split
@@ -48,7 +48,7 @@ class Call:
     loss_call: Callable[[nn.Module, Any], torch.Tensor]
     batchnorms: list = field(default_factory=list)
     normalizing: list = field(default_factory=list)  # BatchNorms using batch statistics: warned of when split
-    found: Any = None  # the model's walk (mbs_ext.step.model.Members): its buffers, for the rollback snapshot
+    found: Any = None  # the model's walk (mbs_ext.model.members.Members): its buffers, for the rollback snapshot
 
 
 class Attempt:

@@ -1,6 +1,6 @@
 """A mini-batch's BatchNorm statistics: gathered by the normalizing kernel, folded once.
 
-During a streamed step, call ``i`` of a deferred BatchNorm (:mod:`mbs_ext.step.batchnorm`)
+During a streamed step, call ``i`` of a deferred BatchNorm (:mod:`mbs_ext.model.batchnorm`)
 gives ``F.batch_norm`` row ``i`` of a zeroed (2, R, C) buffer as its running mean and
 variance, with momentum 1: the kernel writes the call's mean and unbiased variance there
 while it normalizes, so gathering costs no kernel launch. At commit the rows fold into the

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mbs_ext.memory import planner
+from mbs_ext.model import members as _model
+from mbs_ext.model.options import StepOptions
 from mbs_ext.step import count_check
-from mbs_ext.step import model as _model
-from mbs_ext.step.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import row_lengths

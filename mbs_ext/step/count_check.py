@@ -8,7 +8,7 @@ the most common way to be a little off; a count the loss matches to its rounding
 ``nn`` loss with no ``normalize=``, whose count is read from it, exact by construction -
 in one process or across replicas (under FSDP2 a forward is a collective only some ranks would
 run), with no BatchNorm normalizing by batch statistics (its halves would be normalized apart:
-:class:`~mbs_ext.step.batchnorm.BatchNormWarning` says that already) and parameters of at least
+:class:`~mbs_ext.model.batchnorm.BatchNormWarning` says that already) and parameters of at least
 float32, not under a bf16/fp16 autocast (its rounding would hide what the halves tell); after the
 step, at the size that streamed (no-grad forwards of one micro-batch need less than the step did,
 and run before it they left glibc's heap a step's planned peak 1.3-1.6% over its budget,
@@ -26,7 +26,7 @@ from torch import nn
 from mbs_ext.counts import agreement
 from mbs_ext.memory.probe import probe_batch, probing
 from mbs_ext.messages import caller_stacklevel
-from mbs_ext.step.grads import LOW_PRECISION
+from mbs_ext.model.grads import LOW_PRECISION
 
 
 def check_once(checked: set, key: tuple, model: nn.Module, call: Any, options: Any, size: int,

@@ -18,9 +18,9 @@ from torch import nn
 
 from mbs_ext.counts.normalize import Normalizer, first_nonfinite, nonfinite_at
 from mbs_ext.messages import caller_stacklevel
-from mbs_ext.step.grads import AutogradSink, BufferSink
-from mbs_ext.step.options import StepOptions
-from mbs_ext.step.rollback import StepGuard
+from mbs_ext.model.grads import AutogradSink, BufferSink
+from mbs_ext.model.options import StepOptions
+from mbs_ext.model.rollback import StepGuard
 from mbs_ext.world.record import Record
 
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from mbs_ext.counts import loss as _loss
 from mbs_ext.counts.normalize import Normalizer
+from mbs_ext.model.grads import LOW_PRECISION, AutogradSink, BufferSink
+from mbs_ext.model.options import StepOptions
 from mbs_ext.step import batchnorm_rows
-from mbs_ext.step.grads import LOW_PRECISION, AutogradSink, BufferSink
-from mbs_ext.step.options import StepOptions
 from mbs_ext.world import World
 
 

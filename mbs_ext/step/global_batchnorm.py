@@ -12,13 +12,13 @@ cost of two small all-reduces per layer and micro-batch, as AGBN computes them:
 
 Counts weigh each rank, so ranks with unequal rows (or zero rows: a rank that ran out of
 micro-batches takes part with nothing) combine exactly. The step weighs a micro-batch's
-gradient after its backward (:class:`~mbs_ext.step.grads.BufferSink`), so the backward sums are
+gradient after its backward (:class:`~mbs_ext.model.grads.BufferSink`), so the backward sums are
 weighted here by each rank's weight of that micro-batch and the result divided by this
 rank's own: the input gradient is that of the step's global loss.
 
 Which layers run this way, and for which micro-batch, is the world's decision
 (:mod:`mbs_ext.world.pairing` hands each layer a :class:`Turn`, or none: then the layer is
-the deferred-statistics BatchNorm of :mod:`mbs_ext.step.batchnorm`).
+the deferred-statistics BatchNorm of :mod:`mbs_ext.model.batchnorm`).
 """
 
 from __future__ import annotations

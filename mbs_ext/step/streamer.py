@@ -8,15 +8,15 @@ the mini-batch's gradients in ``.grad``, for code that owns the step (a Trainer,
 framework's optimizer loop). Both run one code path; only the finish differs.
 
 This module only sequences; each component is handed what it needs and data flows one
-way: options (:mod:`~mbs_ext.step.options`) → checks (:mod:`~mbs_ext.step.model`,
+way: options (:mod:`~mbs_ext.model.options`) → checks (:mod:`~mbs_ext.model.members`,
 :mod:`~mbs_ext.streaming.batch`, :mod:`~mbs_ext.counts.loss`) → micro-batch size (fixed, planned by
 :mod:`~mbs_ext.memory.planner`, or learned by :mod:`~mbs_ext.memory.backoff`) → the ring
 (:mod:`~mbs_ext.streaming.ring`) streams micro-batches into the pass
 (:mod:`~mbs_ext.step.forward_backward`), which weights them (:mod:`~mbs_ext.counts.normalize`,
 counts from :mod:`~mbs_ext.counts.sources`) and adds their gradients into a sink
-(:mod:`~mbs_ext.step.grads`) → the world's collective (:mod:`~mbs_ext.world`) → the finish
+(:mod:`~mbs_ext.model.grads`) → the world's collective (:mod:`~mbs_ext.world`) → the finish
 (:mod:`~mbs_ext.step.finish`: one host sync, skip or step). Until the optimizer steps,
-everything is undone on any error (:mod:`~mbs_ext.step.rollback`). What differs between one
+everything is undone on any error (:mod:`~mbs_ext.model.rollback`). What differs between one
 process, DDP replicas and FSDP2 shards is the world's, called through its hooks; this
 module does not ask which world it runs in.
 """
@@ -35,12 +35,12 @@ from mbs_ext.counts import cached as _cached_loss
 from mbs_ext.counts import loss as _loss
 from mbs_ext.memory import backoff
 from mbs_ext.memory.axis import axis
-from mbs_ext.step import model as _model
+from mbs_ext.model import members as _model
+from mbs_ext.model.batchnorm import deferring
+from mbs_ext.model.options import StepOptions, make_options
 from mbs_ext.step.attempt import Attempt, Call
-from mbs_ext.step.batchnorm import deferring
 from mbs_ext.step.cache import Binding, Plans, StepCache
 from mbs_ext.step.finish import StepResult
-from mbs_ext.step.options import StepOptions, make_options
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.ring import StreamRing
 

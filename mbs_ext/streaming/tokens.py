@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mbs_ext.step.options import StepOptions
+from mbs_ext.model.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing, split_sizes
 

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mbs_ext.counts.loss import autocast
+from mbs_ext.model.grads import LOW_PRECISION
 from mbs_ext.ops import is_dtensor
-from mbs_ext.step.grads import LOW_PRECISION
 from mbs_ext.world.wrappers import unwrap
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from mbs_ext.counts import sources as counts
 from mbs_ext.counts.normalize import Normalizer, Rule
 from mbs_ext.memory.backoff import is_out_of_memory
-from mbs_ext.step.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
-from mbs_ext.step.options import StepOptions
+from mbs_ext.model.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
+from mbs_ext.model.options import StepOptions
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.record import Record
 

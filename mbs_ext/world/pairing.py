@@ -32,9 +32,9 @@ from torch import nn
 
 from mbs_ext.counts import sources as counts
 from mbs_ext.counts.loss import autocast
-from mbs_ext.step.batchnorm import across_rank_layers
+from mbs_ext.model.batchnorm import across_rank_layers
+from mbs_ext.model.grads import LOW_PRECISION
 from mbs_ext.step.global_batchnorm import Turn
-from mbs_ext.step.grads import LOW_PRECISION
 from mbs_ext.world import fsdp
 from mbs_ext.world.record import Failure, all_reduce_sum, failure_slots, raise_failures
 

@@ -30,8 +30,8 @@ from mbs_ext.counts import sources as counts
 from mbs_ext.counts.normalize import Normalizer, Rule
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
-from mbs_ext.step.grads import accumulation_dtype
-from mbs_ext.step.options import StepOptions
+from mbs_ext.model.grads import accumulation_dtype
+from mbs_ext.model.options import StepOptions
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing

@@ -13,13 +13,13 @@ import contextlib
 import torch
 from torch import nn
 
+from mbs_ext.model.members import Members
 from mbs_ext.step.batchnorm_rows import commit_all
-from mbs_ext.step.model import Members
 
 
 class Snapshot:
     """Copies of a model's distinct buffers and the ``(module, name, tensor)`` slots that hold
-    them (both from the step's walk, :func:`mbs_ext.step.model.members`), and of the CPU and device
+    them (both from the step's walk, :func:`mbs_ext.model.members.members`), and of the CPU and device
     RNG states."""
 
     def __init__(self, found: Members, device: torch.device) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from mbs_ext.memory.probe import probing
-from mbs_ext.step.model import model_device
+from mbs_ext.model.members import model_device
 from mbs_ext.step.streamer import accumulate
 from mbs_ext.streaming import batch as _batch
 from mbs_ext.streaming.ring import split_sizes
