@@ -11,11 +11,11 @@ from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnos
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.counts.agreement import CountWarning
-from mbs_ext.counts.cached import CachedLoss, forward
 from mbs_ext.memory.planner import MicroBatchPlan, plan_forward, plan_micro_batch
 from mbs_ext.model.batchnorm import BatchNormWarning, convert_batchnorm, set_batchnorm_across_ranks
 from mbs_ext.model.options import StepOptions
 from mbs_ext.ops import scale_accumulate_
+from mbs_ext.step.cached import CachedLoss, forward
 from mbs_ext.step.streamable import check_streamable
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streaming.ring import StreamRing

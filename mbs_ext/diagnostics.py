@@ -26,10 +26,10 @@ from mbs_ext.memory.probe import (
     measure_saved_bytes,
     proc_status,
 )
+from mbs_ext.model.batchnorm_rows import FOLD_EVERY as BATCHNORM_FOLD_EVERY
+from mbs_ext.model.batchnorm_rows import held_rows as batchnorm_held_rows
 from mbs_ext.model.grads import buffer_layout
 from mbs_ext.ops import _OP as scale_accumulate_unchecked
-from mbs_ext.step.batchnorm_rows import FOLD_EVERY as BATCHNORM_FOLD_EVERY
-from mbs_ext.step.batchnorm_rows import held_rows as batchnorm_held_rows
 from mbs_ext.streaming.ring import default_staging_threads, split_sizes
 
 __all__ = [

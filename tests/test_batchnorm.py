@@ -335,7 +335,7 @@ def _calls(layers: list[nn.Module], device: str) -> None:
 def test_layers_committed_together_equal_each_committed_alone(dtype, device):
     """commit_all groups layers whose calls split the mini-batch alike and updates their running
     statistics with multi-tensor operations; each layer's own commit() is the reference."""
-    from mbs_ext.step.batchnorm_rows import commit_all
+    from mbs_ext.model.batchnorm_rows import commit_all
 
     def layers():
         torch.manual_seed(0)

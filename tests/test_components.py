@@ -18,10 +18,10 @@ from mbs_ext.counts import normalize
 from mbs_ext.counts import sources as counts
 from mbs_ext.memory import backoff
 from mbs_ext.model import members as model
-from mbs_ext.model import options
+from mbs_ext.model import options, wrappers
 from mbs_ext.step import finish
 from mbs_ext.streaming import batch, ring
-from mbs_ext.world import record, wrappers
+from mbs_ext.world import record
 
 
 class TestStepOptions:

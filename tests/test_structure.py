@@ -7,6 +7,7 @@ so a cycle hidden behind a lazy import inside a function is caught too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,84 @@ def test_core_does_not_import_apps_or_step_from_planner():
         assert not {"mbs_ext.step.streamer", "mbs_ext.step.attempt"} & graph[planning], planning
 
 
+# The package's floors, from the ground up (docs/design.md, "Floors"): a module imports from its
+# own floor or below, never above. A top-level module is its own name; a package's modules are
+# the package's floor. The compiled extension (mbs_ext._C) sits on the ground floor.
+FLOORS = (
+    ("mbs_ext._native", "mbs_ext._C", "mbs_ext._version", "mbs_ext.messages"),
+    ("mbs_ext.ops",),
+    ("mbs_ext.model",),
+    ("mbs_ext.streaming",),
+    ("mbs_ext.counts",),
+    ("mbs_ext.memory",),
+    ("mbs_ext.world",),
+    ("mbs_ext.step",),
+    ("mbs_ext", "mbs_ext.diagnostics"),
+    ("mbs_ext.apps", "mbs_ext.integrations", "mbs_ext.__main__"),
+)
+
+
+def _floor(module: str) -> int:
+    """The floor of ``module``: the longest declared name it is or lies in."""
+    best, floor = -1, None
+    for level, names in enumerate(FLOORS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, floor = len(name), level
+    if floor is None:
+        raise AssertionError(f"{module} is on no floor: add its package to FLOORS and to docs/design.md")
+    return floor
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    """Packages are floors: what a module needs lies on its own floor or below, so each floor can
+    be read, tested and changed knowing only what is under it. ``from mbs_ext import _C`` is the
+    extension; any other ``from mbs_ext import name`` reaches the public package."""
+    paths = list(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths} | {"mbs_ext._C"}
+    up = []
+    for path in paths:
+        module = _module_name(path)
+        for dep in _imports(path, modules):
+            if _floor(dep) > _floor(module):
+                up.append(f"{module} (floor {_floor(module)}) imports {dep} (floor {_floor(dep)})")
+    assert not up, "imports running up the floors:\n" + "\n".join(sorted(up))
+
+
+def test_the_floors_test_sees_an_import_that_runs_up(tmp_path):
+    """The check above fails where it should: a counts module that imports the step."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from mbs_ext.step.streamer import step\n")
+    deps = _imports(bad, {"mbs_ext.step.streamer"})
+    assert deps == {"mbs_ext.step.streamer"}
+    assert _floor("mbs_ext.step.streamer") > _floor("mbs_ext.counts.normalize")
+
+
+def test_the_module_map_in_design_md_matches_the_tree():
+    """docs/design.md's module map names every module of the core where it lies, and no module
+    that is gone (apps/ and integrations/ are named as folders)."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    block = text[text.index("## Module map"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    named, package = set(), None
+    for line in block.splitlines():
+        top = re.match(r"^(?:mbs_ext/)?(\S+)", line) if not line.startswith(" ") else None
+        folder = re.match(r"^ {8}(\w+)/", line)
+        module = re.match(r"^ {8}(\w+\.py)\b", line) or re.match(r"^ {10}(\w+\.py)\b", line)
+        if top and top.group(1) == "__init__.py":
+            named.add("__init__.py")
+        elif folder:
+            package = folder.group(1)
+        elif module:
+            named.add(module.group(1) if line.startswith(" " * 8 + module.group(1)) else f"{package}/{module.group(1)}")
+    present = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+               if p.parent.name not in ("apps", "integrations") and p.name != "__init__.py"}
+    present |= {"__init__.py"} | {f"{p.parent.name}/__init__.py" for p in PACKAGE.glob("*/__init__.py")
+                                  if p.parent.name == "world"}  # world's __init__ holds world_of
+    assert named == present, (sorted(present - named), sorted(named - present))
+
+
 @pytest.mark.slow  # one fresh interpreter re-importing every module: out of the quick suite
 def test_every_module_imports_alone():
     graph = _graph()
@@ -115,9 +194,9 @@ COMPONENT_TESTS = {
         "mbs_ext.counts.loss", "mbs_ext.counts.normalize", "mbs_ext.counts.sources", "mbs_ext.memory.backoff",
         "mbs_ext.step.finish", "mbs_ext.model.members", "mbs_ext.model.options", "mbs_ext.model.rollback",
         "mbs_ext.streaming.batch", "mbs_ext.streaming.ring", "mbs_ext.world", "mbs_ext.world.record",
-        "mbs_ext.world.wrappers",
+        "mbs_ext.model.wrappers",
     },
-    "tests/test_batchnorm.py": {"mbs_ext.model.batchnorm", "mbs_ext.step.batchnorm_rows"},
+    "tests/test_batchnorm.py": {"mbs_ext.model.batchnorm", "mbs_ext.model.batchnorm_rows"},
     "tests/test_batchnorm_ranks.py": {"mbs_ext.world.pairing"},
     "tests/test_ring.py": {"mbs_ext.streaming.ring"},
     "tests/test_scale_accumulate.py": {"mbs_ext.model.grads", "mbs_ext.memory.planner"},

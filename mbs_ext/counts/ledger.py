@@ -7,7 +7,7 @@ number of micro-batches, and not by their few bytes: each was allocated while th
 micro-batch's activations and gradients were live, and under glibc's default thresholds such a
 small survivor, carved out of a freed gradient-sized block, keeps the heap from reusing it. A
 step of 1,024 micro-batches of 2 rows then held hundreds of MiB more than one of 8 (measured by
-the OS: ``tests/test_peak_flat.py``).
+the OS: ``tests/test_flat_memory.py``).
 
 Here the values are copied into slots of a block allocated once, at the first micro-batch
 (one copy per micro-batch, the loss and the count dropped with the micro-batch), and every

@@ -43,10 +43,10 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 
 from mbs_ext.model import members as _model
 from mbs_ext.model.options import StepOptions, make_options
+from mbs_ext.model.wrappers import find_ddp
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult
 from mbs_ext.step.streamer import accumulate as _accumulate
 from mbs_ext.streaming import batch as _batch
-from mbs_ext.world.wrappers import find_ddp
 
 __all__ = ["StreamingDDPStrategy", "StreamingSingleDeviceStrategy", "StreamingStrategy", "accumulate"]
 

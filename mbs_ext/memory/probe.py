@@ -32,8 +32,8 @@ from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.model.batchnorm import deferred_layers
 from mbs_ext.model.members import members, model_device
 from mbs_ext.model.rollback import Snapshot
+from mbs_ext.model.wrappers import unwrap
 from mbs_ext.streaming import batch as _batch
-from mbs_ext.world.wrappers import unwrap
 
 
 @contextlib.contextmanager

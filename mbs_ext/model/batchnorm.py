@@ -4,7 +4,7 @@ During a micro-batch streamed step a plain ``nn.BatchNorm`` would update its run
 statistics once per micro-batch, from micro-batch statistics, so they would differ from
 a full-batch forward. The deferred twins here keep the running buffers untouched while
 the mini-batch streams, keep each micro-batch's per-channel mean and variance (the
-normalizing kernel writes them: :mod:`mbs_ext.step.batchnorm_rows`), and at the end merge
+normalizing kernel writes them: :mod:`mbs_ext.model.batchnorm_rows`), and at the end merge
 them into the mini-batch's (count, mean, M2) with the parallel-variance rule and commit once
 -- with the unbiased n/(n-1) correction over the whole mini-batch -- so running_mean,
 running_var and num_batches_tracked equal one full-batch ``nn.BatchNorm`` forward.
@@ -23,7 +23,7 @@ A step defers plain ``nn.BatchNorm1d/2d/3d`` layers by itself (:func:`deferring`
 become their twins for the step and return to their own class after it), so
 ``convert_batchnorm`` only makes the deferral permanent. Across ranks,
 ``convert_batchnorm(model, across_ranks=True)`` makes each micro-batch's statistics span
-every rank's rows of that micro-batch (:mod:`mbs_ext.step.global_batchnorm`; the world pairs
+every rank's rows of that micro-batch (:mod:`mbs_ext.model.global_batchnorm`; the world pairs
 every rank's micro-batches: :mod:`mbs_ext.world.pairing`); an ``nn.SyncBatchNorm`` gets
 the same for the step (its own forward is a collective that ranks with different numbers
 of micro-batches would not all enter).
@@ -45,13 +45,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mbs_ext.messages import caller_stacklevel
-from mbs_ext.step import batchnorm_rows as rows
-from mbs_ext.step.global_batchnorm import AcrossRanks
+from mbs_ext.model import batchnorm_rows as rows
+from mbs_ext.model.global_batchnorm import AcrossRanks
 
 
 class _DeferredStats:
     """Mixin holding the pending per-channel (count, mean, M2) of one mini-batch: the rows the
-    normalizing kernel writes (:mod:`mbs_ext.step.batchnorm_rows`, one per call), and what
+    normalizing kernel writes (:mod:`mbs_ext.model.batchnorm_rows`, one per call), and what
     ``_merge`` adds from elsewhere (running buffers narrower than float32, the across-ranks
     layers)."""
 
@@ -195,17 +195,17 @@ def _twin(bn: nn.Module, cls: type, local_from: int | None = None) -> nn.Module:
 
 class AcrossRanksBatchNorm1d(AcrossRanks, DeferredBatchNorm1d):
     """``nn.BatchNorm1d`` whose statistics, in a streamed step across ranks, span every rank's rows
-    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+    of each micro-batch (:mod:`mbs_ext.model.global_batchnorm`)."""
 
 
 class AcrossRanksBatchNorm2d(AcrossRanks, DeferredBatchNorm2d):
     """``nn.BatchNorm2d`` whose statistics, in a streamed step across ranks, span every rank's rows
-    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+    of each micro-batch (:mod:`mbs_ext.model.global_batchnorm`)."""
 
 
 class AcrossRanksBatchNorm3d(AcrossRanks, DeferredBatchNorm3d):
     """``nn.BatchNorm3d`` whose statistics, in a streamed step across ranks, span every rank's rows
-    of each micro-batch (:mod:`mbs_ext.step.global_batchnorm`)."""
+    of each micro-batch (:mod:`mbs_ext.model.global_batchnorm`)."""
 
 
 class _AcrossRanksSync(AcrossRanks, _DeferredStats, nn.SyncBatchNorm):

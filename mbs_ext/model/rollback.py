@@ -13,8 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
+from mbs_ext.model.batchnorm_rows import commit_all
 from mbs_ext.model.members import Members
-from mbs_ext.step.batchnorm_rows import commit_all
 
 
 class Snapshot:

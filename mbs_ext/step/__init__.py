@@ -1,11 +1,12 @@
-"""The step itself: the entry (:mod:`~mbs_ext.step.streamer`: ``MicroBatchStreamer``, ``step``,
-``accumulate``), its options and input checks (:mod:`~mbs_ext.model.options`,
-:mod:`~mbs_ext.model.members`), what a streamer keeps between steps (:mod:`~mbs_ext.step.cache`),
-one attempt at one micro-batch size (:mod:`~mbs_ext.step.attempt`), the pass
-(:mod:`~mbs_ext.step.forward_backward`), the gradient sinks (:mod:`~mbs_ext.model.grads`), the
-finish (:mod:`~mbs_ext.step.finish`), undoing a step (:mod:`~mbs_ext.model.rollback`) and
-BatchNorm statistics deferred over a step (:mod:`~mbs_ext.model.batchnorm`).
+"""The step itself (floor 7, above everything it sequences): the entry
+(:mod:`~mbs_ext.step.streamer`: ``MicroBatchStreamer``, ``step``, ``accumulate``), what a streamer
+keeps between steps (:mod:`~mbs_ext.step.cache`), one attempt at one micro-batch size
+(:mod:`~mbs_ext.step.attempt`), the pass (:mod:`~mbs_ext.step.forward_backward`), the finish
+(:mod:`~mbs_ext.step.finish`), the first step's count check (:mod:`~mbs_ext.step.count_check`),
+and what runs steps for a loss: ``CachedLoss`` (:mod:`~mbs_ext.step.cached`) and
+``check_streamable`` (:mod:`~mbs_ext.step.streamable`). Options, the model's members, gradient
+sinks, rollback and BatchNorm are one floor down (:mod:`mbs_ext.model`).
 
 Nothing is imported here: the package's modules are imported by name, so that a component
-(the world, the planner) can use one of them without loading the whole step.
+can use one of them without loading the whole step.
 """

@@ -18,9 +18,9 @@ from torch import nn
 
 from mbs_ext.counts import loss as _loss
 from mbs_ext.counts.normalize import Normalizer
+from mbs_ext.model import batchnorm_rows
 from mbs_ext.model.grads import LOW_PRECISION, AutogradSink, BufferSink
 from mbs_ext.model.options import StepOptions
-from mbs_ext.step import batchnorm_rows
 from mbs_ext.world import World
 
 
@@ -28,7 +28,7 @@ class ForwardBackward:
     """Streams ``num_micro_batches`` micro-batches through ``model``; gradients go to ``sink``.
     ``padded``: how many the world has every rank run (the extra ones weigh 0). ``batchnorms``: the
     deferred BatchNorm layers, whose rows are compacted every few micro-batches so that they stay
-    bounded (:func:`mbs_ext.step.batchnorm_rows.compact`)."""
+    bounded (:func:`mbs_ext.model.batchnorm_rows.compact`)."""
 
     def __init__(
         self,

@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext.counts import cached as _cached_loss
 from mbs_ext.counts import loss as _loss
 from mbs_ext.memory import backoff
 from mbs_ext.memory.axis import axis
 from mbs_ext.model import members as _model
 from mbs_ext.model.batchnorm import deferring
 from mbs_ext.model.options import StepOptions, make_options
+from mbs_ext.step import cached as _cached_loss
 from mbs_ext.step.attempt import Attempt, Call
 from mbs_ext.step.cache import Binding, Plans, StepCache
 from mbs_ext.step.finish import StepResult

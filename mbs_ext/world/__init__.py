@@ -20,12 +20,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from mbs_ext.model.wrappers import WRAPPED, find_ddp, unwrap
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Phase, World
 from mbs_ext.world.record import Failure, PeerFailed, Record
 from mbs_ext.world.replicas import Replicas
 from mbs_ext.world.shards import Shards
-from mbs_ext.world.wrappers import WRAPPED, find_ddp, unwrap
 
 __all__ = ["Failure", "PeerFailed", "Phase", "Record", "Replicas", "Shards", "World", "find_ddp", "unwrap",
            "world_of"]

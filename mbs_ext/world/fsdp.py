@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from mbs_ext.counts.loss import autocast
 from mbs_ext.model.grads import LOW_PRECISION
+from mbs_ext.model.wrappers import unwrap
 from mbs_ext.ops import is_dtensor
-from mbs_ext.world.wrappers import unwrap
 
 
 def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:

@@ -2,7 +2,7 @@
 
 An across-rank BatchNorm (``convert_batchnorm(model, across_ranks=True)``, or an
 ``nn.SyncBatchNorm``) runs one all-reduce in its forward and one in its backward for every
-micro-batch (:mod:`mbs_ext.step.global_batchnorm`), so every rank must run the same number of
+micro-batch (:mod:`mbs_ext.model.global_batchnorm`), so every rank must run the same number of
 micro-batches, and micro-batch ``j`` of one rank must meet micro-batch ``j`` of the others.
 Where a model has such layers in training, the ranks agree before the first micro-batch,
 in one all-reduce, on:
@@ -33,8 +33,8 @@ from torch import nn
 from mbs_ext.counts import sources as counts
 from mbs_ext.counts.loss import autocast
 from mbs_ext.model.batchnorm import across_rank_layers
+from mbs_ext.model.global_batchnorm import Turn
 from mbs_ext.model.grads import LOW_PRECISION
-from mbs_ext.step.global_batchnorm import Turn
 from mbs_ext.world import fsdp
 from mbs_ext.world.record import Failure, all_reduce_sum, failure_slots, raise_failures
 

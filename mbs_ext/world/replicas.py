@@ -38,6 +38,7 @@ from mbs_ext.counts.normalize import Normalizer, Rule
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.model.grads import GradBuffers
+from mbs_ext.model.wrappers import unwrap
 from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.one import _NO_CONTEXT, Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
@@ -50,7 +51,6 @@ from mbs_ext.world.record import (
     raise_failures,
     tell_others,
 )
-from mbs_ext.world.wrappers import unwrap
 
 
 class Replicas(World):

@@ -32,11 +32,11 @@ from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.model.grads import accumulation_dtype
 from mbs_ext.model.options import StepOptions
+from mbs_ext.model.wrappers import unwrap
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import Failure, Layout, Record, all_reduce_sum, failure_slots, raise_failures, tell_others
-from mbs_ext.world.wrappers import unwrap
 
 
 class Shards(World):

@@ -118,21 +118,46 @@ def forward(model: nn.Module, batch: Any, fn: Callable[[nn.Module, Any], Any], *
     if auto:
         micro_batch_size = planner.plan_forward(model, batch, fn, memory_budget, indices=indices,
                                                 autocast_dtype=autocast_dtype)
-    return _concat(_encode_all(model, batch, fn, micro_batch_size, info.indices, autocast_dtype, device))
+    return _joined(_encode_all(model, batch, fn, micro_batch_size, info.indices, autocast_dtype, device))
 
 
 def _encode_all(model: nn.Module, batch: Any, fn: Callable, m: int, indices: torch.Tensor | None,
                 autocast_dtype: torch.dtype | None, device: torch.device) -> list[Any]:
-    """Each micro-batch's ``fn`` output, detached, in batch order."""
+    """Each run of :data:`JOIN_EVERY` micro-batches' ``fn`` outputs, detached and concatenated, in
+    batch order (:func:`_concat` joins the runs).
+
+    Not one output per micro-batch kept to the end: a micro-batch's encodings are a few rows, and
+    each tensor of them carries about 0.4 KiB of host metadata beside its data (an encoding of
+    2 rows x 8 floats is 64 bytes of data), so a list of every micro-batch's outputs grew by about
+    0.85 KiB per micro-batch for two towers, allocated while that micro-batch's activations were
+    live. Joined every few micro-batches, what the pass keeps is one tensor per leaf and run."""
     ring = StreamRing(device)
-    outs = []
+    runs: list[Any] = []
+    outs: list[Any] = []
+    spec = None
     try:
         for mb in ring.stream(batch, m, indices=indices, copy=device.type != "cpu"):
             with torch.no_grad(), autocast(device, autocast_dtype):
-                outs.append(pytree.tree_map(_detached, fn(own(model), mb)))
+                out = pytree.tree_map(_detached, fn(own(model), mb))
+            spec = _check_structure(out, spec, len(runs) * JOIN_EVERY + len(outs))
+            outs.append(out)
+            if len(outs) == JOIN_EVERY:
+                runs.append(_concat(outs))
+                outs = []
     finally:
         ring.close()
-    return outs
+    return runs + [_concat(outs)] if outs else runs
+
+
+JOIN_EVERY = 64  # micro-batches whose encodings are concatenated into one run
+
+
+def _check_structure(out: Any, spec: Any, k: int) -> Any:
+    """Micro-batch ``k``'s output has the structure of micro-batch 0's (``spec``; None for it)."""
+    got = pytree.tree_flatten(out)[1]
+    if spec is not None and got != spec:
+        raise ValueError(f"micro-batch {k}'s encoding has another structure than micro-batch 0's: {got} vs {spec}")
+    return got
 
 
 def own(model: nn.Module) -> nn.Module:
@@ -148,6 +173,11 @@ def _detached(x: Any) -> Any:
         raise TypeError(f"CachedLoss.encode / forward's fn must return tensors (dim 0: the micro-batch's rows), "
                         f"got {type(x).__name__}")
     return x.detach()
+
+
+def _joined(runs: list[Any]) -> Any:
+    """The runs of :func:`_encode_all` as one: a single run is already a concatenation (a copy)."""
+    return runs[0] if len(runs) == 1 else _concat(runs)
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -286,7 +316,7 @@ def _cache_gradients(cached: CachedLoss, model: nn.Module, batch: Any, options: 
         coupled.begin(world, None, device)
         try:
             m = int(options.micro_batch_size)
-            encoded = _concat(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
+            encoded = _joined(_encode_all(model, batch, cached.encode, m, None, options.autocast_dtype, device))
         except Exception as exc:
             _shared(world, exc, device, lambda w, f, d: coupled.gather(w, [], f, d))
             raise
