@@ -278,14 +278,19 @@ if path == "ddp":
     model = nn.parallel.DistributedDataParallel(model)
 batch = (torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 3, (10,)))
 size = dict(micro_batch_size="auto", memory_budget=64 << 20) if path == "auto" else dict(micro_batch_size=4)
-streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                                      **size)
+loss_fn = nn.CrossEntropyLoss()
+if path == "cached_loss":  # a loss over all rows at once: passes 1-2 prepare, pass 3 streams as any loss
+    loss_fn = mbs_ext.CachedLoss(lambda m, mb: m(mb[0]), lambda m, enc: torch.logsumexp(enc, 0).sum())
+streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, **size)
 if path != "auto":
     streamer.step(batch)  # the "auto" path plans in its first step: trace that one
 
+def is_batch(v):  # the batch, or CachedLoss's pass-3 batch: the batch beside each row's position
+    return v is batch or (type(v) is tuple and len(v) == 2 and v[0] is batch)
+
 def holds(frame):
     for v in frame.f_locals.values():
-        if v is batch or getattr(v, "batch", None) is batch:  # the batch, or a call's record of it
+        if is_batch(v) or is_batch(getattr(v, "batch", None)):  # the batch, or a call's record of it
             return True
     return False
 
@@ -311,10 +316,11 @@ print(json.dumps(sorted(chains)))
 """
 
 
-@pytest.mark.slow  # three fresh interpreters tracing a step line by line
-@pytest.mark.parametrize("path", ["fixed", "auto", "ddp"])
+@pytest.mark.slow  # four fresh interpreters tracing a step line by line
+@pytest.mark.parametrize("path", ["fixed", "auto", "ddp", "cached_loss"])
 def test_the_batch_flows_one_way_through_the_package(path):
-    """Followed through a step - fixed size, ``"auto"`` (planning included) and DDP - at every
+    """Followed through a step - fixed size, ``"auto"`` (planning included), DDP and CachedLoss
+    (its passes 1-2, then its pass 3 through the step's own way in) - at every
     moment, the files of mbs_ext whose frames hold the caller's batch (or a call's record of it)
     form a chain from the step down: no file is in its own chain twice (the batch is handed on,
     never back into a file it came through), and the ring is on the way."""
@@ -329,6 +335,9 @@ def test_the_batch_flows_one_way_through_the_package(path):
     chains = [tuple(c) for c in json.loads(out.strip().splitlines()[-1]) if c]
     assert chains and all(c[0] == "step/streamer.py" for c in chains), chains
     assert any("streaming/ring.py" in c for c in chains), chains
+    if path == "cached_loss":  # pass 3 runs the attempt as any loss does, with no call of its own into it
+        assert any("step/attempt.py" in c for c in chains) and any("step/cached.py" in c for c in chains), chains
+        assert not any("step/attempt.py" in c and "step/cached.py" in c for c in chains), chains
     back = [c for c in chains if len(set(c)) != len(c)]
     assert not back, f"the batch flows back into a file it came through: {back}"
 

@@ -242,10 +242,23 @@ def _shared(world: World, exc: BaseException, device: torch.device, step: Callab
     tell_others(exc, world.rank, share)
 
 
-def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
-    """One CachedLoss step (or accumulate) on ``streamer``'s model, optimizer and options."""
-    cached: CachedLoss = streamer.loss_fn
-    model, options = streamer.model, streamer.options
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What passes 1 and 2 hand the step's ordinary streamed pass (pass 3): the per-micro-batch
+    ``loss_fn`` whose gradient is each row's share of the full loss's (a sum over rows, counted
+    so), the batch with each row's position in the gathered rows, the options that go with them
+    (the planned size, ``normalize="sum"``, no count check), and the full loss's value."""
+
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    batch: Any
+    options: Any
+    value: torch.Tensor
+
+
+def prepare(cached: CachedLoss, model: nn.Module, options: Any, batch: Any, indices: Any, plans: dict) -> Prepared:
+    """Passes 1 and 2 of a CachedLoss step: the encodings of every row with no graph, the loss on
+    all of them and its gradient with respect to each encoding. The step then streams pass 3 as
+    it streams any loss (:meth:`mbs_ext.step.streamer.MicroBatchStreamer.step`)."""
     params = trainable(model)
     world = world_of(model, params, options.process_group)
     check_supported(world, options)
@@ -254,10 +267,10 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     try:
         info = _batch.check(batch, indices, device)
         if info.indices is not None:  # pass 3 takes the gathered rows and their positions together
-            batch, indices = _batch.take(batch, info.indices), None
+            batch = _batch.take(batch, info.indices)
         if options.micro_batch_size == "auto":
             options = dataclasses.replace(options, micro_batch_size=_planned(cached, model, batch, options, info,
-                                                                              world, params, streamer.cache.plans))
+                                                                              world, params, plans))
     except Exception as exc:
         _shared(world, exc, device, coupled.begin)
         raise
@@ -265,11 +278,8 @@ def run(streamer: Any, batch: Any, indices: Any, stepping: bool) -> Any:
     # Positions in the gathered rows: only the rank holding row 0 (rank 0) adds the loss's own
     # parameters' gradient, so it enters the sum over ranks once.
     positions = torch.arange(info.rows) + offset
-    child = type(streamer)(model, streamer.optimizer, surrogate,
-                           options=dataclasses.replace(options, normalize="sum", check_count=False))
-    child.cache = streamer.cache
-    result = child._run((batch, positions), None, stepping)
-    return dataclasses.replace(result, loss=float(value))
+    return Prepared(surrogate, (batch, positions),
+                    dataclasses.replace(options, normalize="sum", check_count=False), value)
 
 
 def _planned(cached: CachedLoss, model: nn.Module, batch: Any, options: Any, info: _batch.BatchInfo,

@@ -23,6 +23,7 @@ module does not ask which world it runs in.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable
@@ -117,23 +118,37 @@ class MicroBatchStreamer:
         return self._run(batch, indices, stepping=False)
 
     def _run(self, batch: Any, indices: Any, stepping: bool) -> StepResult:
-        if isinstance(self.loss_fn, _cached_loss.CachedLoss):  # three passes; its last is this method's own
-            return _cached_loss.run(self, batch, indices, stepping)
+        """The one way in for every loss: a ``CachedLoss`` first prepares (its passes 1 and 2), then
+        its pass 3 streams here as any loss does."""
         t_begin = time.perf_counter()
+        loss_fn, options, loss_calls, prepared = self.loss_fn, self.options, self._loss_calls, None
+        if isinstance(loss_fn, _cached_loss.CachedLoss):
+            prepared = _cached_loss.prepare(loss_fn, self.model, options, batch, indices, self.cache.plans)
+            # Its per-micro-batch loss is made anew each step: no rule or call is kept for it.
+            loss_fn, options, batch, indices, loss_calls = prepared.loss_fn, prepared.options, prepared.batch, None, {}
+        result = self._stream(batch, indices, stepping, loss_fn, options, loss_calls)
+        if prepared is not None:
+            result = dataclasses.replace(result, loss=float(prepared.value))
+        result.timings["total_s"] = time.perf_counter() - t_begin
+        return result
+
+    def _stream(self, batch: Any, indices: Any, stepping: bool, loss_fn: Callable, options: StepOptions,
+                loss_calls: dict) -> StepResult:
+        """Check, size and run one step of ``loss_fn`` under ``options``, with back-off."""
         _model.check_grad_mode()  # what every rank has alike (model, options) is checked alone, first
         found = _model.members(self.model)  # the one walk over the model's modules this step
-        binding = self.cache.bind(self.model, self.optimizer, self.options.process_group, found)
+        binding = self.cache.bind(self.model, self.optimizer, options.process_group, found)
         binding.world.pair(found.modules)  # before anything can fail: a failure must reach every rank alike
         attempt = Attempt(binding.world)
         optimizer = self.optimizer if stepping else None
         try:
-            call = self._check(batch, indices, binding, found)
+            call = self._check(batch, indices, binding, found, loss_fn, options, loss_calls)
             with deferring(self.model, found.modules) as (call.batchnorms, call.normalizing):
-                size, key = self.cache.size_for(self.model, self.options, batch, call.info, binding, call.loss_call)
+                size, key = self.cache.size_for(self.model, options, batch, call.info, binding, call.loss_call)
                 # Probes run on the module the world names (under DDP: no collectives).
                 probed, agree = binding.world.backoff(self.model, binding.device)
-                options = self.cache.tokens_for(self.model, self.options, batch, call.info, binding, call.loss_call)
-                shrunk = axis(probed, call, options, size, key, self.cache.size_cap,
+                planned = self.cache.tokens_for(self.model, options, batch, call.info, binding, call.loss_call)
+                shrunk = axis(probed, call, planned, size, key, self.cache.size_cap,
                               lambda options, m: attempt.run(self.model, optimizer, options,
                                                              self.cache.ring_for(binding.device), call, m))
                 result = backoff.with_backoff(
@@ -142,19 +157,19 @@ class MicroBatchStreamer:
                     free=shrunk.free, agree=agree,
                 )
                 # After the step: its forwards must not move the step's own peak.
-                self.cache.check_count(key, probed, call, self.options, result.micro_batch_size, self.loss_fn)
+                self.cache.check_count(key, probed, call, options, result.micro_batch_size, loss_fn)
         except Exception as exc:
-            attempt.share_failure(exc, binding.params, binding.device, self.options.accumulate_dtype)
+            attempt.share_failure(exc, binding.params, binding.device, options.accumulate_dtype)
             raise
-        result.timings["total_s"] = time.perf_counter() - t_begin
         return result
 
-    def _check(self, batch: Any, indices: Any, binding: Binding, found: _model.Members) -> Call:
+    def _check(self, batch: Any, indices: Any, binding: Binding, found: _model.Members, loss_fn: Callable,
+               options: StepOptions, loss_calls: dict) -> Call:
         """Every check of a call's inputs, before anything changes."""
         info = _batch.check(batch, indices, binding.device)
-        _model.check_scaler_params(self.options.scaler, binding.params, binding.device)
-        binding.world.check_options(self.options, binding.params)
-        made = _loss.rule_and_call(self._loss_calls, self.loss_fn, self.options.normalize, info.pair)
+        _model.check_scaler_params(options.scaler, binding.params, binding.device)
+        binding.world.check_options(options, binding.params)
+        made = _loss.rule_and_call(loss_calls, loss_fn, options.normalize, info.pair)
         return Call(binding.params, batch, info, binding.device, binding.world, *made, found=found)
 
 
