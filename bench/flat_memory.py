@@ -263,6 +263,34 @@ def tokens(k: int, device: str, rank: int = 0) -> Case:
                 *_batches(k, rank, _token_rows))
 
 
+def hand_tokens(k: int, device: str, rank: int = 0) -> Case:
+    """``tokens``' reference, no mbs_ext: PyTorch's own accumulation loop over the micro-batches a
+    two-row token budget makes of these rows (sorted longest first, two at a time, each pair
+    trimmed to its longer row: with every row longer than two thirds of the width, no budget of
+    two full rows holds three). Its micro-batches change shape from one to the next (widths
+    from 22 to 32), and glibc's heap answers varying shapes by holding more: this loop alone
+    rises about 2.4 MiB more at k=1,024 than at k=8. ``tokens`` is measured against it."""
+    model = _TinyLM().to(device)
+    opt = _opt(model)
+
+    def run(batch: dict) -> _Looped:
+        lengths = batch["attention_mask"].sum(1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        total = int((batch["labels"] != -100).sum())
+        opt.zero_grad()
+        for i in range(0, len(order), M):
+            rows = order[i:i + M]
+            width = int(lengths[rows[0]])
+            ids, labels = (batch[key][:, :width].index_select(0, rows).to(device) for key in ("input_ids", "labels"))
+            logits = model(ids)
+            (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+             / total).backward()
+        opt.step()
+        return _Looped(-(-len(order) // M))
+
+    return Case(run, *_batches(k, rank, _token_rows))
+
+
 EMBED = 8  # cached_loss: encoding width, small so that every row's encodings stay well under 1 MiB
 CHUNK = 64  # cached_loss: rows of the in-batch logits computed at once
 
@@ -290,22 +318,52 @@ def _encode(model: _Towers, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return model.query(mb["q"]), model.doc(mb["d"])
 
 
-def _nce_rows(a: torch.Tensor, b: torch.Tensor, first: int, scale: torch.Tensor) -> torch.Tensor:
-    target = torch.arange(first, first + len(a), device=a.device)
-    return F.cross_entropy(a @ b.t() * scale, target, reduction="sum")
+class _TiledNCE(torch.autograd.Function):
+    """``sum_i logsumexp_j(s a_i.b_j) - s a_i.b_i`` (one direction of InfoNCE over in-batch
+    negatives, rows of ``a`` against rows of ``b``, ``s`` the scale) and its gradient, both taken
+    in :data:`CHUNK` x :data:`CHUNK` tiles of the logits: no temporary is larger than a tile, and
+    tiles are all one size, so the heap reuses them. Autograd's own graph of the same tiles
+    (checkpointed per row chunk) left 17-20 MiB of glibc heap resident at 2,048 rows, loss alone."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        lse = torch.cat([_lse(rows, b, scale) for _, rows in _tiles(a)])
+        ctx.save_for_backward(a, b, scale, lse)
+        return lse.sum() - (a * b).sum() * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b, scale, lse = ctx.saved_tensors
+        ga, gb, gs = -scale * b, -scale * a, -(a * b).sum()
+        for i, rows in _tiles(a):
+            for j, cols in _tiles(b):
+                dots = rows @ cols.t()
+                p = (dots * scale - lse[i:i + len(rows), None]).exp()
+                ga[i:i + len(rows)] += scale * p @ cols
+                gb[j:j + len(cols)] += scale * p.t() @ rows
+                gs += (p * dots).sum()
+        return grad * ga, grad * gb, grad * gs
+
+
+def _tiles(x: torch.Tensor) -> Any:
+    return ((i, x[i:i + CHUNK]) for i in range(0, len(x), CHUNK))
+
+
+def _lse(rows: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp over every row of ``b``, merged a tile at a time."""
+    out = None
+    for _, cols in _tiles(b):
+        part = (rows @ cols.t() * scale).logsumexp(1)
+        out = part if out is None else torch.logaddexp(out, part)
+    return out
 
 
 def _info_nce(model: _Towers, enc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Symmetric InfoNCE over in-batch negatives, its rows x rows logits taken :data:`CHUNK` rows
-    at a time under activation checkpointing: the loss's own transient stays a chunk's, so what
-    grows with the mini-batch is the encodings alone (as docs/coupled-losses.md says)."""
+    """Symmetric InfoNCE over in-batch negatives in bounded memory (:class:`_TiledNCE`): what grows
+    with the mini-batch is the encodings alone, as docs/coupled-losses.md says of such a loss."""
     q, d = (F.normalize(t, dim=1) for t in enc)
     scale = model.log_temperature.neg().exp()
-    total = q.new_zeros(())
-    for a, b in ((q, d), (d, q)):
-        for i in range(0, len(a), CHUNK):
-            total = total + checkpoint(_nce_rows, a[i:i + CHUNK], b, i, scale, use_reentrant=False)
-    return total / (2 * len(q))
+    return (_TiledNCE.apply(q, d, scale) + _TiledNCE.apply(d, q, scale)) / (2 * len(q))
 
 
 def cached_loss(k: int, device: str, rank: int = 0) -> Case:
@@ -337,19 +395,50 @@ def ddp(k: int, device: str, rank: int = 0) -> Case:
     return Case(lambda b: mbs_ext.step(model, opt, b, loss, micro_batch_size=M), *_batches(k, rank))
 
 
+# Two layers, not eight: FSDP2's gather and reduce buffers hold every parameter of the root at
+# once, and their reuse moves the heap's top by about their size from process to process. At 8
+# layers (2 MiB) FSDP2's own loop grew +9.9 to +13.5 MiB and this case +13.7 to +18.7 (three
+# processes each); at 2 layers +5.3 to +5.5 and +6.0 to +6.7.
+FSDP_LAYERS = 2
+
+
 def fsdp2(k: int, device: str, rank: int = 0) -> Case:
-    """``plain`` sharded by FSDP2, its default ``fsdp_accumulate="sharded"``: a reduce-scatter
-    per micro-batch into the sharded sum. One ``fully_shard`` at the root (2 MiB, half on each
-    rank): one all-gather and one reduce-scatter per micro-batch. Sharding every layer as well
-    runs those per layer: on two ranks sharing two cores a k=1,024 step of four such layers took
-    37 s, against 16 s for this model sharded once."""
+    """``plain``'s MLP, :data:`FSDP_LAYERS` deep, sharded by FSDP2, its default
+    ``fsdp_accumulate="sharded"``: a reduce-scatter per micro-batch into the sharded sum. One
+    ``fully_shard`` at the root (half the parameters on each rank): one all-gather and one
+    reduce-scatter per micro-batch. Sharding every layer as well runs those per layer: on two
+    ranks sharing two cores a k=1,024 step of four such layers took 37 s, against 16 s for this
+    model sharded once. Measured against ``hand_fsdp2`` (FSDP2's own loop), which is not flat."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _mlp().to(device)
+    model = _mlp(FSDP_LAYERS).to(device)
     fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (dist.get_world_size(),)))
     opt, loss = _opt(model), nn.CrossEntropyLoss()
     return Case(lambda b: mbs_ext.step(model, opt, b, loss, micro_batch_size=M), *_batches(k, rank))
+
+
+def hand_fsdp2(k: int, device: str, rank: int = 0) -> Case:
+    """``fsdp2``'s reference, no mbs_ext: the same sharded model under FSDP2's own gradient
+    accumulation (each micro-batch's backward reduce-scatters into the sharded gradient, FSDP2's
+    default), one AdamW step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp(FSDP_LAYERS).to(device)
+    fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (dist.get_world_size(),)))
+    opt, loss = _opt(model), nn.CrossEntropyLoss()
+
+    def run(batch: tuple[torch.Tensor, torch.Tensor]) -> _Looped:
+        x, y = batch
+        opt.zero_grad()
+        for i in range(0, len(x), M):
+            xb, yb = x[i:i + M].to(device), y[i:i + M].to(device)
+            (loss(model(xb), yb) * (len(xb) / len(x))).backward()
+        opt.step()
+        return _Looped(-(-len(x) // M))
+
+    return Case(run, *_batches(k, rank))
 
 
 # Two-rank BatchNorm cases: each layer runs two collectives per micro-batch, about 3.5 ms each
@@ -377,8 +466,9 @@ def syncbatchnorm(k: int, device: str, rank: int = 0) -> Case:
     return Case(lambda b: mbs_ext.step(model, opt, b, loss, micro_batch_size=M, **kw), *_batches(k, rank, _images))
 
 
-SINGLE = {f.__name__: f for f in (plain, device_counts, batchnorm, tokens, cached_loss, accumulate, hand_loop, leak)}
-RANKED = {f.__name__: f for f in (ddp, fsdp2, batchnorm_across_ranks, syncbatchnorm)}
+SINGLE = {f.__name__: f for f in (plain, device_counts, batchnorm, tokens, cached_loss, accumulate, hand_loop,
+                                   hand_tokens, leak)}
+RANKED = {f.__name__: f for f in (ddp, fsdp2, hand_fsdp2, batchnorm_across_ranks, syncbatchnorm)}
 
 
 # --- measuring ---------------------------------------------------------------------------------

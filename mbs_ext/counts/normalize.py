@@ -20,6 +20,7 @@ nothing here reads a device value or talks to other ranks.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,9 +67,11 @@ class Normalizer:
         self.device = device
         self.is_sum = rule.kind == "sum"
         self.ledger = Ledger(device, num_micro_batches)
-        # Each micro-batch's (start, stop) positions, for messages: two host ints per micro-batch,
-        # the size of the split itself.
-        self.rows_of: list[tuple[int, int]] = []
+        # Each micro-batch's (start, stop) positions, for messages: two machine ints per
+        # micro-batch in one array made here, not a tuple of Python ints appended per micro-batch
+        # (about 100 bytes each, made while the micro-batch's activations are live).
+        self.rows_of = array("q", bytes(16 * num_micro_batches))
+        self.taken = 0  # micro-batches counted so far
         # How messages name the rows at positions [start, stop): the split's own words (the step
         # sets them; under a token split positions are not row numbers).
         self.describe_rows: Callable[[int, int], str] = lambda start, stop: f"rows [{start}, {stop})"
@@ -90,9 +93,12 @@ class Normalizer:
 
     def count(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
         """The count of the next micro-batch (rows ``[start, stop)``); sets the provisional denominator."""
-        self.rows_of.append(rows)
+        k, self.taken = self.taken, self.taken + 1
+        if 2 * k + 2 > len(self.rows_of):  # more micro-batches than planned: room for as many again
+            self.rows_of.extend([0] * (len(self.rows_of) + 2))
+        self.rows_of[2 * k], self.rows_of[2 * k + 1] = rows
         c = self.source.take(micro_batch, rows)
-        self.ledger.count(len(self.rows_of) - 1, c)
+        self.ledger.count(k, c)
         if self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c
@@ -163,7 +169,7 @@ class Normalizer:
 
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
-        return f"micro-batch {k} of {self.num_mb} ({self.describe_rows(*self.rows_of[k])})"
+        return f"micro-batch {k} of {self.num_mb} ({self.describe_rows(self.rows_of[2 * k], self.rows_of[2 * k + 1])})"
 
 
 def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:
