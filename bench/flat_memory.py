@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import mbs_ext
 from mbs_ext.diagnostics import malloc_trim, proc_status

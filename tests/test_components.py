@@ -436,9 +436,12 @@ class TestOneProcessWorld:
 
     def test_normalizer_is_exact_where_the_total_is_known_ahead(self):
         info = batch.check((torch.zeros(5, 2), torch.zeros(5)), None, self.CPU)
-        exact = world.World().normalizer(normalize.rule_of("samples"), None, info, [3, 2], self.CPU)
+        one = world.World()
+        exact = normalize.for_step(normalize.rule_of("samples"), None, info, [3, 2], self.CPU,
+                                   ahead=one.counts_ahead, alone=one.alone)
         assert exact.exact and exact.denom == 5.0
-        called = world.World().normalizer(normalize.rule_of(lambda mb: 1.0), None, info, [3, 2], self.CPU)
+        called = normalize.for_step(normalize.rule_of(lambda mb: 1.0), None, info, [3, 2], self.CPU,
+                                    ahead=one.counts_ahead, alone=one.alone)
         assert not called.exact and called.denom is None
 
     def test_alone_nothing_is_agreed_or_shared(self):

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mbs_ext.counts import sources
 from mbs_ext.counts.ledger import Ledger
 from mbs_ext.counts.sources import INVALID_COUNT, Count, Source
 
@@ -170,6 +171,23 @@ class Normalizer:
     def describe(self, k: int) -> str:
         """Micro-batch ``k`` and its rows, for messages."""
         return f"micro-batch {k} of {self.num_mb} ({self.describe_rows(self.rows_of[2 * k], self.rows_of[2 * k + 1])})"
+
+
+def for_step(rule: Rule, batch: Any, info: Any, sizes: list[int], device: torch.device, *, ahead: bool,
+             alone: bool) -> Normalizer:
+    """The step's normalizer, its count source chosen here, once, for every world. The world
+    says two things only: whether it needs this rank's total before the first micro-batch
+    (``ahead``: FSDP2, paired BatchNorm micro-batches, for their agreement) and whether no
+    other rank weighs this one's counts (``alone``: then a total the source knows ahead is exact
+    at once)."""
+    if ahead:
+        source: Source = sources.ahead(rule, batch, info, sizes, device)
+    else:
+        source = sources.choose(rule, info.targets, info.indices, sizes, device, alone=alone)
+    normalizer = Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+    if alone and normalizer.denom is not None:
+        normalizer.fix(normalizer.denom)
+    return normalizer
 
 
 def first_nonfinite(normalizer: Normalizer) -> torch.Tensor | float:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext.counts.normalize import Rule
+from mbs_ext.counts.normalize import Rule, for_step
 from mbs_ext.messages import add_note
 from mbs_ext.model.batchnorm import warn_split_statistics
 from mbs_ext.model.options import StepOptions
@@ -80,7 +80,8 @@ class Attempt:
             guard.begin()  # old gradients go before new buffers are allocated
             self.phase = Phase.SYNCING_BUFFERS
             sink = world.start(call.params, device, options.accumulate_dtype)
-            normalizer = world.normalizer(call.rule, call.batch, cut.info, sizes, device)
+            normalizer = for_step(call.rule, call.batch, cut.info, sizes, device, ahead=world.counts_ahead,
+                                  alone=world.alone)
             normalizer.describe_rows = cut.describe
             self.phase = Phase.AGREEING
             padded = world.agree(normalizer, sizes, device)

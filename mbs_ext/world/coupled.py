@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mbs_ext.world.one import World
-from mbs_ext.world.record import Failure, all_reduce_sum, failure_slots, raise_failures
+from mbs_ext.world.record import Failure, agree
 from mbs_ext.world.replicas import Replicas
 from mbs_ext.world.shards import Shards
 
@@ -38,8 +38,7 @@ def begin(world: World, failure: Failure | None, device: torch.device) -> None:
     them (and DDP's own broadcast off, which would run in whichever forward comes first)."""
     if world.group is None:
         return
-    summed = all_reduce_sum(failure_slots(world.size, world.rank, failure), device, world.group).tolist()
-    raise_failures(summed, world.size, world.rank)
+    agree(world.group, world.size, world.rank, device, failure=failure)
     if failure is None and isinstance(world, Replicas):
         world.sync_buffers()
 
@@ -52,11 +51,7 @@ def gather(world: World, leaves: list[torch.Tensor], failure: Failure | None,
     if world.group is None:
         return leaves, 0
     s, rank = world.size, world.rank
-    rows = [0.0] * s
-    if failure is None:
-        rows[rank] = float(leaves[0].shape[0]) if leaves else 0.0
-    summed = all_reduce_sum([*rows, *failure_slots(s, rank, failure)], device, world.group).tolist()
-    raise_failures(summed[s:], s, rank)
+    agreed = agree(world.group, s, rank, device, columns=[leaves[0].shape[0] if leaves else 0], failure=failure)
     if failure is not None:
         return [], 0
     # Each leaf's row shape and dtype, exactly: the all-gathers below need them alike on every rank.
@@ -66,7 +61,7 @@ def gather(world: World, leaves: list[torch.Tensor], failure: Failure | None,
         raise ValueError("CachedLoss: the ranks' encodings differ in structure, dtype or shape beyond their rows "
                          f"(row shape and dtype of each leaf, by rank: {layouts}); encode must return the same "
                          "structure, dtypes and row shapes on every rank")
-    counts = [int(v) for v in summed[:s]]
+    counts = [int(v) for v in agreed.columns[0]]
     most = max(counts)
     out = []
     for t in leaves:
@@ -83,5 +78,4 @@ def confirm(world: World, failure: Failure | None, device: torch.device) -> None
     others would otherwise wait for it in the streamed pass)."""
     if world.group is None:
         return
-    summed = all_reduce_sum(failure_slots(world.size, world.rank, failure), device, world.group).tolist()
-    raise_failures(summed, world.size, world.rank)
+    agree(world.group, world.size, world.rank, device, failure=failure)

@@ -29,12 +29,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from mbs_ext.counts import sources as counts
-from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.counts.normalize import Normalizer
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.model.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
 from mbs_ext.model.options import StepOptions
-from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.record import Record
 
 if TYPE_CHECKING:  # pairing.py builds on this module's worlds' hooks: named for types only
@@ -101,15 +99,10 @@ class World:
         """Buffers as every rank has them, then the sink the micro-batches' gradients go to."""
         return make_sink(params, device, self.buffer_dtype(requested, params))
 
-    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
-                   device: torch.device) -> Normalizer:
-        """The step's normalizer, its count source chosen once; one process knows the total ahead
-        wherever the source does."""
-        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=True)
-        normalizer = Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
-        if normalizer.denom is not None:
-            normalizer.fix(normalizer.denom)
-        return normalizer
+    # How the step counts (mbs_ext.counts.normalize.for_step): no other rank weighs this one's
+    # counts; :meth:`agree` needs no total before the first micro-batch.
+    alone = True
+    counts_ahead = False
 
     def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
         """How many micro-batches this rank runs (more than its own ``sizes`` where others have more)."""

@@ -36,7 +36,7 @@ from mbs_ext.model.batchnorm import across_rank_layers
 from mbs_ext.model.global_batchnorm import Turn
 from mbs_ext.model.grads import LOW_PRECISION
 from mbs_ext.world import fsdp
-from mbs_ext.world.record import Failure, all_reduce_sum, failure_slots, raise_failures
+from mbs_ext.world.record import Failure, agree, all_reduce_sum
 
 
 class Pairing:
@@ -63,17 +63,12 @@ class Pairing:
         """One all-reduce: how many micro-batches every rank runs and the global total of the
         counts (the most micro-batches of any rank). Every rank raises here where some rank failed
         before it, or their switches differ."""
-        s = self.size
-        mine = [0.0] * (3 * s)
-        if failure is None:
-            thresholds = any(getattr(m, "local_from", None) is not None for m in self.active)
-            mine[self.rank], mine[s + self.rank], mine[2 * s + self.rank] = len(sizes), thresholds, len(self.active)
-        values = all_reduce_sum([local_total, *mine, *failure_slots(s, self.rank, failure)], device, self.group)
-        tail = values[1:].tolist()
-        raise_failures(tail[3 * s :], s, self.rank)
+        thresholds = any(getattr(m, "local_from", None) is not None for m in self.active)
+        agreed = agree(self.group, self.size, self.rank, device, head=[local_total],
+                       columns=[len(sizes), thresholds, len(self.active)], failure=failure)
         if failure is not None:
-            return 0, values[0]
-        num, thresholds_by_rank, active = ([int(v) for v in tail[i * s : (i + 1) * s]] for i in range(3))
+            return 0, agreed.head[0]
+        num, thresholds_by_rank, active = ([int(v) for v in column] for column in agreed.columns)
         if len(set(active)) > 1:
             raise ValueError(
                 f"mbs_ext.step: the ranks have different numbers of BatchNorm layers taking statistics across "
@@ -84,7 +79,7 @@ class Pairing:
         if any(thresholds_by_rank):  # decided from the shared slots: every rank joins this one or none does
             own = [*sizes, *[0] * (padded - len(sizes))]
             self.global_rows = [int(v) for v in all_reduce_sum(own, device, self.group).tolist()]
-        return padded, values[0]
+        return padded, agreed.head[0]
 
     def enter(self, index: int, zero_rows: bool = False) -> None:
         """Micro-batch ``index`` begins: each active layer gets this micro-batch's turn, unless its

@@ -1,9 +1,13 @@
-"""What the ranks tell each other: the step's one collective, slot by slot, and failures.
+"""What the ranks tell each other: the step's one collective, slot by slot, the agreements
+before it, and failures.
 
 Every rank that reaches the end of its pass, or fails before it, adds one float64
 vector into the same all-reduce. Its layout is defined here once, for success and
 failure alike: a failing rank packs zeros where the totals go and its own failure
 record, so the others learn who failed and where without a second collective.
+The agreements before or beside the pass (how many micro-batches each rank runs, the
+rows of a coupled loss, whether every rank's checks passed) are one :func:`agree` each,
+the same record with their own values in front of the failure slots.
 
     [total, loss_sum, invalid_counts, nonfinite | presence x params | failed x world | oom x world]
 
@@ -116,6 +120,32 @@ def all_reduce_sum(values: list[Value], device: torch.device, group: Any) -> tor
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What :func:`agree` read: ``head`` (summed, left on the device: a count may be a device
+    tensor) and each column's value by rank (host numbers)."""
+
+    head: torch.Tensor
+    columns: list[list[float]]
+
+
+def agree(group: Any, size: int, rank: int, device: torch.device, *, head: list[Value] = (),
+          columns: list[float] = (), failure: Failure | None = None) -> Agreed:
+    """One all-reduce among the ranks of ``group`` that every rank takes at the same point: the
+    ``head`` values summed over the ranks, each of ``columns`` gathered by rank (this rank's value
+    at its own slot, the others' at theirs), and the failure record. One host read. Every rank
+    raises :class:`PeerFailed` here where another rank failed (``failure``: this rank's, which
+    then sends zeros in its head and columns)."""
+    mine = [0.0] * (len(columns) * size)
+    if failure is None:
+        for i, value in enumerate(columns):
+            mine[i * size + rank] = float(value)
+    values = all_reduce_sum([*head, *mine, *failure_slots(size, rank, failure)], device, group)
+    tail = values[len(head):].tolist()
+    raise_failures(tail[len(mine):], size, rank)
+    return Agreed(values[: len(head)], [tail[i * size : (i + 1) * size] for i in range(len(columns))])
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mbs_ext.counts import sources as counts
-from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.counts.normalize import Normalizer
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.model.grads import GradBuffers
 from mbs_ext.model.wrappers import unwrap
-from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.world.one import _NO_CONTEXT, Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import (
@@ -75,15 +74,13 @@ class Replicas(World):
         self.pairing = Pairing.of(modules, self.group, self.size, self.rank, weighs_after=True)
         self.runs_every_micro_batch = self.pairing is not None and bool(self.pairing.active)
 
-    def normalizer(self, rule: Rule, batch: Any, info: BatchInfo, sizes: list[int],
-                   device: torch.device) -> Normalizer:
-        """Counts weigh this rank against the others: always taken, the total only known after the
-        pass, unless micro-batches pair up (then counted ahead: the agreement fixes the total)."""
-        if self.pairing is not None:
-            return Normalizer(rule, counts.ahead(rule, batch, info, sizes, device), num_micro_batches=len(sizes),
-                              device=device)
-        source = counts.choose(rule, info.targets, info.indices, sizes, device, alone=False)
-        return Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+    alone = False
+
+    @property
+    def counts_ahead(self) -> bool:
+        """Counts weigh this rank against the others: the total is known after the pass, unless
+        micro-batches pair up (then counted ahead: the agreement fixes the total)."""
+        return self.pairing is not None
 
     def agree(self, normalizer: Normalizer, sizes: list[int], device: torch.device) -> int:
         if self.pairing is None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mbs_ext.counts import sources as counts
-from mbs_ext.counts.normalize import Normalizer, Rule
+from mbs_ext.counts.normalize import Normalizer
 from mbs_ext.memory.backoff import is_out_of_memory
 from mbs_ext.messages import add_note
 from mbs_ext.model.grads import accumulation_dtype
@@ -36,7 +36,7 @@ from mbs_ext.model.wrappers import unwrap
 from mbs_ext.world import fsdp
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
-from mbs_ext.world.record import Failure, Layout, Record, all_reduce_sum, failure_slots, raise_failures, tell_others
+from mbs_ext.world.record import Failure, Layout, Record, agree, all_reduce_sum, raise_failures, tell_others
 
 
 class Shards(World):
@@ -51,11 +51,8 @@ class Shards(World):
     def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
         fsdp.check_options(options, accumulation_dtype(options.accumulate_dtype, params))
 
-    def normalizer(self, rule: Rule, batch: Any, info: Any, sizes: list[int],
-                   device: torch.device) -> Normalizer:
-        """Every micro-batch counted ahead (the agreement needs this rank's total)."""
-        return Normalizer(rule, counts.ahead(rule, batch, info, sizes, device), num_micro_batches=len(sizes),
-                          device=device)
+    alone = False
+    counts_ahead = True  # every micro-batch counted ahead: the agreement needs this rank's total
 
     def pair(self, modules: list[nn.Module]) -> None:
         self.pairing = Pairing.of(modules, self.group, self.size, self.rank, weighs_after=False)
@@ -74,13 +71,9 @@ class Shards(World):
                failure: Failure | None = None) -> tuple[int, torch.Tensor]:
         """Also tells every rank whether one failed before it (then every rank raises here). One
         host read: the pass needs its count."""
-        mine = [0.0] * self.size
-        mine[self.rank] = float(num_micro_batches)
-        values = all_reduce_sum([local_total, *mine, *failure_slots(self.size, self.rank, failure)], device,
-                                self.group)
-        tail = values[1:].tolist()
-        raise_failures(tail[self.size:], self.size, self.rank)
-        return int(max(tail[: self.size])), values[0]
+        agreed = agree(self.group, self.size, self.rank, device, head=[local_total], columns=[num_micro_batches],
+                       failure=failure)
+        return int(max(agreed.columns[0])), agreed.head[0]
 
     def streaming(self):
         if self.pairing is None:
