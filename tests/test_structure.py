@@ -364,34 +364,6 @@ def test_no_backslash_continuations():
     assert not found, found
 
 
-# What a class or module may hold before it answers more than one question.
-MAX_METHODS, MAX_ATTRIBUTES, MAX_CORE_IMPORTS = 20, 20, 12
-
-
-def test_responsibilities_stay_few():
-    """Each class has few methods and attributes; each core module imports few of the others
-    (the step's own module included: it sequences components, it is not a hub)."""
-    graph = _graph()
-    heavy = []
-    for path in _core_files():
-        module = _module_name(path)
-        deps = {d for d in graph[module] if d != module}
-        if path.name != "__init__.py" or module != "mbs_ext":
-            if len(deps) > MAX_CORE_IMPORTS:
-                heavy.append(f"{module} imports {len(deps)} mbs_ext modules: {sorted(deps)}")
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            attributes = {t.target.id for t in node.body if isinstance(t, ast.AnnAssign)
-                          and isinstance(t.target, ast.Name)}
-            attributes |= {a.attr for a in ast.walk(node) if isinstance(a, ast.Attribute) and
-                           isinstance(a.ctx, ast.Store) and isinstance(a.value, ast.Name) and a.value.id == "self"}
-            if len(methods) > MAX_METHODS or len(attributes) > MAX_ATTRIBUTES:
-                heavy.append(f"{module}.{node.name}: {len(methods)} methods, {len(attributes)} attributes")
-    assert not heavy, heavy
-
-
 def _mode_tests(tree: ast.AST) -> list[int]:
     """Lines where code asks which distributed mode it runs in: the world's kind, DDP/FSDP2 found
     by hand, the size of torch.distributed's world, or whether a process group is set."""

@@ -78,7 +78,7 @@ class ForwardBackward:
             for i in range(self.num_mb):
                 self.index = i
                 if self.watch is not None:
-                    self.watch.entered = False
+                    self.watch.reset()
                 self.rows = None  # not known until the ring hands the micro-batch out
                 mb = next(micro_batches, _END)
                 if mb is _END:

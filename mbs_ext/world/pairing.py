@@ -31,11 +31,9 @@ import torch
 from torch import nn
 
 from mbs_ext.counts import sources as counts
-from mbs_ext.counts.loss import autocast
 from mbs_ext.model.batchnorm import across_rank_layers
 from mbs_ext.model.global_batchnorm import Turn
-from mbs_ext.model.grads import LOW_PRECISION
-from mbs_ext.world import fsdp
+from mbs_ext.world import padding
 from mbs_ext.world.record import Failure, agree, all_reduce_sum
 
 
@@ -112,21 +110,16 @@ class Pairing:
             self.turn = None
 
     def pad(self, pass_: Any, index: int, no_sync: Callable[[], Any]) -> None:
-        """Padding micro-batch ``index``: one row, eval mode, weight 0, zero rows in the statistics."""
+        """Padding micro-batch ``index`` (:mod:`mbs_ext.world.padding`) with zero rows in the statistics."""
         self.enter(index, zero_rows=True)
         self.weigh(0.0)
-        with no_sync(), fsdp.padding(pass_.model), autocast(pass_.device, pass_.options.autocast_dtype):
-            loss = pass_.loss_call(pass_.model, fsdp.one_row(pass_.template))
-        pass_.sink.backward(loss.float() if loss.dtype in LOW_PRECISION else loss, 0.0, pass_.options.scaler)
+        with no_sync():
+            loss = padding.zero_weight_loss(pass_, lenient=False)
+        pass_.sink.backward(loss, 0.0, pass_.options.scaler)
 
     def catch_up(self, pass_: Any, no_sync: Callable[[], Any]) -> bool:
         """After a failure at micro-batch ``pass_.index``: where no layer's collective ran in it yet,
         run it and every later one as padding, so the other ranks' collectives pair up."""
         if not self.active or self.began() or pass_.template is None:
             return False
-        try:
-            for i in range(pass_.index, pass_.padded):
-                self.pad(pass_, i, no_sync)
-        except Exception:
-            return False
-        return True
+        return padding.catch_up(pass_, lambda i: self.pad(pass_, i, no_sync))

@@ -33,7 +33,7 @@ from mbs_ext.messages import add_note
 from mbs_ext.model.grads import accumulation_dtype
 from mbs_ext.model.options import StepOptions
 from mbs_ext.model.wrappers import unwrap
-from mbs_ext.world import fsdp
+from mbs_ext.world import fsdp, padding
 from mbs_ext.world.one import Pass, Phase, Sink, World
 from mbs_ext.world.pairing import Pairing
 from mbs_ext.world.record import Failure, Layout, Record, agree, all_reduce_sum, raise_failures, tell_others
@@ -96,13 +96,13 @@ class Shards(World):
         return fsdp.forward_watch(unwrap(model))
 
     def zero_weight(self, pass_: Pass, last: bool, lenient: bool = False, index: int | None = None) -> None:
-        """A backward at weight 0 through one row of the latest real micro-batch
-        (:func:`fsdp.zero_weight_loss`), so that FSDP's collectives pair up with the other ranks'."""
+        """A padding micro-batch (:mod:`mbs_ext.world.padding`), so that FSDP's collectives pair
+        up with the other ranks'; its forward is watched afresh."""
         if self.pairing is not None:  # the BatchNorm layers take part with zero rows
             self.pairing.enter(pass_.index if index is None else index, zero_rows=True)
         self._gradient_sync(last, pass_.options)
-        pass_.watch.entered = False
-        pass_.sink.backward(fsdp.zero_weight_loss(pass_, lenient), 0.0, pass_.options.scaler)
+        pass_.watch.reset()
+        pass_.sink.backward(padding.zero_weight_loss(pass_, lenient), 0.0, pass_.options.scaler)
 
     def catch_up(self, pass_: Pass) -> bool:
         """After a failure at micro-batch ``pass_.index``: if its forward had not begun, run it and
@@ -111,12 +111,8 @@ class Shards(World):
         failed inside the model."""
         if pass_.watch.entered or pass_.template is None:
             return False
-        try:
-            for i in range(pass_.index, pass_.padded):
-                self.zero_weight(pass_, last=i == pass_.padded - 1, lenient=True, index=i)
-        except Exception:
-            return False
-        return True
+        return padding.catch_up(pass_, lambda i: self.zero_weight(pass_, last=i == pass_.padded - 1, lenient=True,
+                                                                  index=i))
 
     def collect(self, normalizer: Normalizer, sink: Sink) -> Record:
         """FSDP reduced the gradients itself; the ranks agree on the rest."""
