@@ -11,6 +11,7 @@ from mbs_ext import diagnostics  # noqa: F401  (the README names mbs_ext.diagnos
 from mbs_ext._native import _C
 from mbs_ext._version import __version__
 from mbs_ext.counts.agreement import CountWarning
+from mbs_ext.counts.noise import Noise, NoiseScale
 from mbs_ext.memory.planner import MicroBatchPlan, plan_forward, plan_micro_batch
 from mbs_ext.model.batchnorm import BatchNormWarning, convert_batchnorm, set_batchnorm_across_ranks
 from mbs_ext.model.options import StepOptions
@@ -42,6 +43,8 @@ __all__ = [
     "CountWarning",
     "MicroBatchPlan",
     "MicroBatchStreamer",
+    "Noise",
+    "NoiseScale",
     "PeerFailed",
     "StepOptions",
     "StepResult",

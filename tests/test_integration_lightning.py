@@ -143,6 +143,21 @@ def test_one_step_equals_full_batch_step():
     assert abs(t_got.strategy.last_result.loss - loss_ref.item()) < TOL
 
 
+def test_noise_scale_is_logged_and_the_step_unchanged():
+    """``noise_scale=True`` through the strategy: the same step, and ``b_simple`` logged each
+    step from the streamer's moving averages (docs/noise-scale.md)."""
+    data = regression_data(69)
+    ref, got = Regressor(), Regressor()
+    log = MemoryLogger()
+    fit(ref, data, 23, steps=3)
+    t_got = fit(got, data, 23, StreamingStrategy(micro_batch_size=4, noise_scale=True), steps=3, logger=log)
+    assert max_diff(ref, got) < TOL
+    noise = t_got.strategy.last_result.noise
+    assert noise.steps == 3 and noise.micro_batches == 6
+    logged = [m["b_simple"] for _, m in log.rows if "b_simple" in m]
+    assert len(logged) == 3 and logged[-1] == pytest.approx(noise.b_simple, rel=1e-6)
+
+
 def test_token_micro_batches_equal_full_batch_step():
     """micro_batch_tokens through the strategy: rows grouped by length and trimmed, same step."""
     data = token_data()

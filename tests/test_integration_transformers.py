@@ -167,6 +167,20 @@ def test_streamed_trainer_equals_full_batch_trainer(tmp_path, kind, steps):
     assert grad_norms == pytest.approx(ref_norms, rel=1e-9)
 
 
+def test_noise_scale_is_logged_beside_the_loss(tmp_path):
+    """``options=StepOptions(noise_scale=True)``: the same steps, and the Trainer's log carries
+    ``b_simple`` from the run's moving averages (docs/noise-scale.md)."""
+    ref, _ = run(Trainer, tmp_path / "ref", 3)
+    mbs, _ = run(StreamingTrainer, tmp_path / "mbs", 3, options=mbs_ext.StepOptions(micro_batch_size=M,
+                                                                                   noise_scale=True))
+    for p, q in zip(mbs.model.parameters(), ref.model.parameters()):
+        assert (p - q).abs().max().item() <= 1e-10 * max(q.abs().max().item(), 1e-30)
+    noise = mbs.last_stream_result.noise
+    assert noise.steps == 3 and noise.micro_batches == math.ceil(N / M)
+    logged = [e["b_simple"] for e in mbs.state.log_history if "b_simple" in e]
+    assert len(logged) == 3 and logged[-1] == pytest.approx(noise.b_simple, rel=1e-6)
+
+
 def test_stock_llama_float32_loss(tmp_path):
     """LlamaForCausalLM as built (RMSNorm and the loss round to float32): equal to float32 precision."""
     ref, _ = run(Trainer, tmp_path / "ref", 1, "llama")

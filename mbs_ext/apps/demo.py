@@ -113,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --budget-mb: {args.budget_mb:g} MiB does not fit this model's step ({exc})")
     mbs_opt = torch.optim.Adam(mbs_model.parameters(), lr=args.lr)
     full_opt = torch.optim.Adam(full_model.parameters(), lr=args.lr)
+    # noise_scale: the step also measures the gradient noise scale B_simple from its own
+    # micro-batches (docs/noise-scale.md), the batch size this task would train best at.
     streamer = mbs_ext.MicroBatchStreamer(
-        mbs_model, mbs_opt, loss_fn, micro_batch_size=args.micro_batch, memory_budget=budget
+        mbs_model, mbs_opt, loss_fn, micro_batch_size=args.micro_batch, memory_budget=budget, noise_scale=True
     )
 
-    history = {"mbs_loss": [], "full_loss": [], "mbs_acc": [], "full_acc": []}
+    history = {"mbs_loss": [], "full_loss": [], "mbs_acc": [], "full_acc": [], "b_simple": []}
     mbs_time = full_time = 0.0
     micro = None
     how = f"budget {args.budget_mb:g} MiB" if args.micro_batch == "auto" else f"micro-batch {args.micro_batch}"
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(rows) == full_rows:  # an epoch's last, shorter batch may use a smaller size
                 micro = result.micro_batch_size
             history["mbs_loss"].append(result.loss)
+            noise = result.noise
+            history["b_simple"].append((noise.b_simple, noise.b_simple_stderr) if noise else (None, None))
             if not args.no_baseline:
                 start = time.perf_counter()
                 full_opt.zero_grad()
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                 full_opt.step()
                 full_time += time.perf_counter() - start
                 history["full_loss"].append(full_loss.item())
-            bar.set_postfix(loss=f"{result.loss:.4f}", micro=micro)
+            b_simple = history["b_simple"][-1][0]
+            bar.set_postfix(loss=f"{result.loss:.4f}", micro=micro,
+                            B_simple="-" if b_simple is None else f"{b_simple:.0f}")
         history["mbs_acc"].append(accuracy(mbs_model, x_test, y_test))
         if not args.no_baseline:
             history["full_acc"].append(accuracy(full_model, x_test, y_test))
@@ -172,11 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         "saved_bytes_full_batch": full_bytes,
         "saved_bytes_micro_batch": micro_bytes,
         "time_mbs_s": mbs_time,
+        "b_simple": history["b_simple"][-1][0],
+        "b_simple_stderr": history["b_simple"][-1][1],
     }
     origin, planned, sentence = _micro_batch_origin(args, micro, full_rows, streamer.plans())
     summary.update(micro_batch_origin=origin, planned_micro_batch=planned)
     print(f"\n{sentence}")
     print(f"test accuracy with MBS: {history['mbs_acc'][-1]:.3f}")
+    b_simple, stderr = history["b_simple"][-1]
+    if b_simple is not None:
+        print(f"gradient noise scale at the end (B_simple, the critical batch size it predicts): {b_simple:.0f}"
+              + ("" if stderr is None else f" +- {stderr:.0f}") + f", trained at {args.batch_size}")
     print(
         f"activation memory saved for backward: micro-batch {micro_bytes / 2**20:.2f} MiB "
         f"vs full batch {full_bytes / 2**20:.2f} MiB ({full_bytes / max(micro_bytes, 1):.1f}x less)"
@@ -242,7 +254,7 @@ def _plot(history: dict, path: Path, micro: int | None, batch_size: int) -> None
 
     plt = pyplot()
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc, ax_noise) = plt.subplots(1, 3, figsize=(16, 4))
     ax_loss.plot(history["mbs_loss"], label=f"MBS (micro-batch {micro})", lw=2.5, alpha=0.7)
     if history["full_loss"]:
         ax_loss.plot(history["full_loss"], "--", label=f"full batch ({batch_size})", lw=1.2, color="k")
@@ -254,6 +266,16 @@ def _plot(history: dict, path: Path, micro: int | None, batch_size: int) -> None
         ax_acc.plot(epochs, history["full_acc"], "x--", label="full batch", color="k")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
     ax_acc.legend()
+    steps = [i for i, (b, _) in enumerate(history["b_simple"]) if b is not None]
+    if steps:
+        b = [history["b_simple"][i][0] for i in steps]
+        err = [history["b_simple"][i][1] or 0.0 for i in steps]
+        ax_noise.plot(steps, b, lw=2, label="B_simple (moving average)")
+        ax_noise.fill_between(steps, [v - e for v, e in zip(b, err)], [v + e for v, e in zip(b, err)], alpha=0.25,
+                              label="+- its standard error")
+    ax_noise.axhline(batch_size, color="k", ls="--", lw=1.2, label=f"mini-batch used ({batch_size})")
+    ax_noise.set(xlabel="optimizer step", ylabel="samples", title="gradient noise scale from the micro-batches")
+    ax_noise.legend()
     fig.suptitle("mbs_ext: micro-batch streaming equals the full-batch step (digits, small CNN)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -197,6 +197,9 @@ class _StreamingMixin:
         for p, _ in self._mbs_stash:
             p.grad = None
         step.replay_logs()
+        noise = self.last_result.noise
+        if noise is not None and noise.b_simple is not None:  # with noise_scale (docs/noise-scale.md)
+            lm.log("b_simple", noise.b_simple, on_step=True, prog_bar=True)
         return step.output()
 
     def _streamer(self) -> MicroBatchStreamer:

@@ -49,6 +49,7 @@ from transformers import Trainer
 
 import mbs_ext
 from mbs_ext import StepOptions
+from mbs_ext.counts.noise import NoiseSample, NoiseScale
 from mbs_ext.messages import caller_stacklevel
 
 __all__ = ["StreamingTrainer", "label_token_count", "loss_shifts_labels"]
@@ -151,6 +152,9 @@ class StreamingTrainer(Trainer):
         # accounts for; the Trainer's count is compared with the model's instead (_warn_if_counts_differ).
         self.stream_options = base.replace(**sizes, normalize=normalize, check_count=False)
         self.last_stream_result: mbs_ext.StepResult | None = None
+        # With options.noise_scale: the gradient noise's moving averages over the training steps
+        # (docs/noise-scale.md), logged beside the loss as "b_simple" and "b_simple_stderr".
+        self.noise_scale = NoiseScale()
         self._counts_compared = False  # whether the plain Trainer's count was compared with ours (once)
 
     def _check_setup(self, normalize: Any) -> None:
@@ -234,9 +238,23 @@ class StreamingTrainer(Trainer):
             model, batch, loss_fn, options=self.stream_options, normalize=self._normalize(batch),
             scaler=self.accelerator.scaler,
         )
+        if result.noise is not None:  # one step's sums into the run's averages
+            noise = result.noise
+            result.noise = self.noise_scale.update(NoiseSample(noise.micro_batches, noise.items, noise.micro_sq,
+                                                               noise.batch_sq))
         self.last_stream_result = result
         dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
         return torch.tensor(result.loss, dtype=dtype, device=self.args.device)
+
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the gradient noise scale beside the training loss."""
+        noise = self.last_stream_result.noise if self.last_stream_result is not None else None
+        if noise is not None and "loss" in logs and noise.b_simple is not None:
+            logs = {**logs, "b_simple": noise.b_simple}
+            if noise.b_simple_stderr is not None:
+                logs["b_simple_stderr"] = noise.b_simple_stderr
+        super().log(logs, *args, **kwargs)
 
 
 def _warn_if_counts_differ(trainer: StreamingTrainer, batch: Any) -> bool:

@@ -37,8 +37,14 @@ def buffer_layout(numels: list[int], element_size: int) -> tuple[list[int], int]
     return offsets, end
 
 
-def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
-    """dtype of separate accumulation buffers, or None when autograd accumulates in ``.grad``."""
+def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter],
+                       buffered: bool = False) -> torch.dtype | None:
+    """dtype of separate accumulation buffers, or None when autograd accumulates in ``.grad``.
+    ``buffered``: buffers in any case (the noise scale reads each micro-batch's gradient on its
+    way into them), of the widest parameter dtype unless one is requested."""
+    if buffered:
+        return requested or max((p.dtype for p in params), key=lambda d: (d.is_floating_point, d.itemsize),
+                                default=torch.float32)
     if requested is None:
         return torch.float32 if any(p.dtype in LOW_PRECISION for p in params) else None
     return None if all(p.dtype == requested for p in params) else requested
@@ -51,7 +57,7 @@ class GradBuffers:
     belongs to no view, so nothing reads it as a gradient.
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False) -> None:
         self.params = params
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         self.flats: list[torch.Tensor] = []
@@ -70,6 +76,11 @@ class GradBuffers:
                 self.views[j] = _view_like(flat, offset, params[j])
             self.flats.append(flat)
             self.found_inf.append(torch.zeros((), dtype=torch.float32, device=dev))
+        # With ``noise``: sum_j w_j |grad_j|^2 over the micro-batches (w_j: the weight each was
+        # added with), on the first device, and one float64 scratch per device for the op.
+        self.scratch = [torch.zeros((), dtype=torch.float64, device=f.device) for f in self.flats] if noise else []
+        self.micro_sq = torch.zeros_like(self.scratch[0]) if self.scratch else None
+        self.batch_sq: torch.Tensor | None = None  # with ``noise``: |sum|^2 of the final sums, set by finish()
 
     def add_(self, scale: float | torch.Tensor) -> None:
         """``buffer += scale * p.grad`` for every parameter with a grad, then drop the grad."""
@@ -83,7 +94,17 @@ class GradBuffers:
             # other: the buffers, and so the .grad cast from them, are dense.
             accs = [self.views[j] for j in have]
             grads = [g.to_dense() if g.is_sparse else g for g in (params[j].grad for j in have)]
-            scale_accumulate_(accs, grads, s, flag)  # one crossing into C++: checks and kernel
+            if self.micro_sq is None:
+                scale_accumulate_(accs, grads, s, flag)  # one crossing into C++: checks and kernel
+            else:  # the same pass also sums the gradient's squares (noise scale)
+                sq = self.scratch[self.groups.index(js)]
+                sq.zero_()
+                scale_accumulate_(accs, grads, s, flag, sq_norm=sq)
+                sq = sq.to(self.micro_sq.device)
+                if isinstance(scale, torch.Tensor):
+                    self.micro_sq.addcmul_(sq, scale.to(self.micro_sq.device, torch.float64))
+                else:
+                    self.micro_sq.add_(sq, alpha=float(scale))
             for j in have:
                 self.got[j] = True
                 params[j].grad = None
@@ -110,6 +131,10 @@ class GradBuffers:
         # Finite micro-batch gradients can add up past the buffer dtype's range, here or in
         # the sum over ranks: one fused check of the final sums (equal on every rank).
         self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
+        if self.micro_sq is not None:  # one pass over the sums, once a step (noise scale)
+            device = self.micro_sq.device
+            self.batch_sq = sum(torch.linalg.vector_norm(f, dtype=torch.float64).square().to(device)
+                                for f in self.flats)
         for j, p in enumerate(self.params):
             if got_any[j]:
                 # A gradient of its own (never a view that would keep the whole buffer
@@ -255,10 +280,11 @@ class BufferSink:
 
     buffered = True
 
-    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
+                 noise: bool = False) -> None:
         self.params = params
         self.device = device
-        self.bufs = GradBuffers(params, dtype)
+        self.bufs = GradBuffers(params, dtype, noise)
         self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
@@ -275,6 +301,12 @@ class BufferSink:
     def presence(self) -> list[bool]:
         """Which parameters got a gradient from this rank's micro-batches."""
         return list(self.bufs.got)
+
+    def micro_sq(self, denom: float | torch.Tensor) -> float | torch.Tensor:
+        """``sum_j c_j |grad_j|^2`` over this rank's micro-batches (``w_j = c_j / denom``: each
+        micro-batch's count over the provisional total), or 0.0 without the noise scale."""
+        sq = self.bufs.micro_sq
+        return 0.0 if sq is None else sq * (denom.to(sq.device) if isinstance(denom, torch.Tensor) else denom)
 
     def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None,
                found: torch.Tensor | None = None) -> None:
@@ -296,6 +328,8 @@ class BufferSink:
         self.bufs.release()
 
 
-def make_sink(params: list[nn.Parameter], device: torch.device, dtype: torch.dtype | None) -> AutogradSink | BufferSink:
-    """The sink for ``params``: float buffers of ``dtype``, or autograd's own ``.grad`` (None)."""
-    return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype)
+def make_sink(params: list[nn.Parameter], device: torch.device, dtype: torch.dtype | None,
+              noise: bool = False) -> AutogradSink | BufferSink:
+    """The sink for ``params``: float buffers of ``dtype``, or autograd's own ``.grad`` (None);
+    ``noise``: the buffers also sum each micro-batch's squared gradient norm (needs buffers)."""
+    return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype, noise)

@@ -76,6 +76,12 @@ class StepOptions:
     * ``token_lengths``: where row lengths come from with ``micro_batch_tokens``: None (the
       batch's ``"attention_mask"`` leaf), the dict key of another 0/1 mask, or a callable
       ``lengths(batch)`` returning a 1-d integer tensor, one length per row.
+    * ``noise_scale``: measure the gradient noise scale from the step's own micro-batches
+      (``StepResult.noise``, docs/noise-scale.md): each micro-batch's squared gradient norm is
+      summed by the op that adds it into the accumulation buffers (which the step then uses
+      whatever the parameters' dtype: one gradient's memory more), counted by the step's own
+      counts. Needs a mean loss (``normalize`` "samples" or a count) and two micro-batches or
+      more; not under FSDP2 yet.
     """
 
     micro_batch_size: int | str | None = None
@@ -91,6 +97,7 @@ class StepOptions:
     micro_batch_tokens: int | str | None = None
     token_lengths: str | Callable[[Any], torch.Tensor] | None = None
     check_count: bool = True
+    noise_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is None and self.micro_batch_tokens is None:
@@ -115,6 +122,8 @@ class StepOptions:
             raise ValueError(f"fsdp_accumulate must be one of {FSDP_ACCUMULATE}, got {self.fsdp_accumulate!r}")
         if not isinstance(self.check_count, bool):
             raise TypeError(f"check_count must be a bool, got {type(self.check_count).__name__}")
+        if not isinstance(self.noise_scale, bool):
+            raise TypeError(f"noise_scale must be a bool, got {type(self.noise_scale).__name__}")
 
     def replace(self, **overrides: Any) -> StepOptions:
         """A copy with ``overrides`` applied (and checked; an unknown name is named)."""

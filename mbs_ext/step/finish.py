@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from mbs_ext.counts.noise import Noise
 from mbs_ext.counts.normalize import Normalizer, first_nonfinite, nonfinite_at
 from mbs_ext.messages import caller_stacklevel
 from mbs_ext.model.grads import AutogradSink, BufferSink
@@ -45,14 +46,17 @@ class StepResult:
     grad_norm: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     micro_batch_tokens: int | None = None
+    noise: Noise | None = None  # with noise_scale: the gradient noise (mbs_ext.counts.noise.Noise)
 
 
 class Finished(NamedTuple):
-    """What the finish decided: the mini-batch loss, whether the step was skipped, the norm."""
+    """What the finish decided: the mini-batch loss, whether the step was skipped, the norm, and
+    the ``extra`` values handed to it, read in the same host read."""
 
     loss: float
     skipped: bool
     grad_norm: float | None
+    extra: tuple[float, ...] = ()
 
 
 def finish(
@@ -64,8 +68,9 @@ def finish(
     guard: StepGuard,
     device: torch.device,
     record: Record,
+    extra: list = (),
 ) -> Finished:
-    """Read, decide, and step (or roll back a skipped step)."""
+    """Read, decide, and step (or roll back a skipped step); ``extra`` values ride the one read."""
     scaler = options.scaler
     if scaler is not None:
         if getattr(scaler, "_scale", None) is None:
@@ -83,8 +88,9 @@ def finish(
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
-    read = _read([found, record.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()],
-                 device)
+    values = [found, record.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()]
+    read = _read([*values, *extra], device)
+    read, more = read[: len(values)], tuple(read[len(values):])
     record.raise_if_failed(read[1])
     loss = normalizer.check(*read[3:])
     grad_norm = read[2] if norm is not None else None
@@ -99,11 +105,11 @@ def finish(
         guard.stepping = True
         _apply(params, optimizer, options, norm)
         guard.updated = scaler is not None
-    return Finished(loss, skipped, grad_norm)
+    return Finished(loss, skipped, grad_norm, more)
 
 
 def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, options: StepOptions,
-                     guard: StepGuard, device: torch.device, record: Record) -> Finished:
+                     guard: StepGuard, device: torch.device, record: Record, extra: list = ()) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled) gradients stay in ``.grad`` for the caller's own
     optimizer step. A non-finite loss or gradient gets the step's policy (``on_nonfinite``): by
@@ -111,7 +117,9 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
     warning naming the micro-batch - or raised. Not a gradient under a GradScaler: its overflow is
     the caller's scaler's to handle."""
     found = sink.nonfinite(False) if options.scaler is None else 0.0
-    read = _read([found, record.failed(), *normalizer.device_values()], device)
+    values = [found, record.failed(), *normalizer.device_values()]
+    read = _read([*values, *extra], device)
+    read, more = read[: len(values)], tuple(read[len(values):])
     record.raise_if_failed(read[1])
     loss = normalizer.check(*read[2:])
     if read[0] != 0 or not math.isfinite(loss):
@@ -126,9 +134,9 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
         guard.rollback(clear_grads=True, restore_scaler=False, restore_rng=False)
         warnings.warn(f"mbs_ext.accumulate: {msg}; its gradients were not added: .grad is as it was "
                       "(on_nonfinite='raise' raises instead)", RuntimeWarning, stacklevel=caller_stacklevel())
-        return Finished(loss, True, None)
+        return Finished(loss, True, None, more)
     guard.commit_statistics()
-    return Finished(loss, False, None)
+    return Finished(loss, False, None, more)
 
 
 def _read(values: list, device: torch.device) -> list[float]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mbs_ext.counts import loss as _loss
+from mbs_ext.counts.noise import NoiseScale
 from mbs_ext.memory import backoff
 from mbs_ext.memory.axis import axis
 from mbs_ext.model import members as _model
@@ -79,6 +80,7 @@ class MicroBatchStreamer:
         self.options = make_options(options, overrides)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.cache = StepCache(ring=ring)
+        self.noise = NoiseScale()  # the gradient noise's moving averages, with noise_scale (docs/noise-scale.md)
         # The count rule and the loss call, by the loss's reduction (a caller may change it) and pair-ness.
         self._loss_calls: dict[tuple, tuple] = {}  # (rule, call) per loss reduction and batch kind
 
@@ -86,6 +88,13 @@ class MicroBatchStreamer:
     def ring(self) -> StreamRing | None:
         """The ring the steps stream through (None before the first step unless one was given)."""
         return self.cache.ring
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs of this streamer: the gradient noise's moving averages."""
+        return {"noise": self.noise.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.noise.load_state_dict(state["noise"])
 
     def plans(self) -> Plans:
         """The micro-batch plans made for ``"auto"`` so far, by input signature."""
@@ -139,7 +148,7 @@ class MicroBatchStreamer:
         found = _model.members(self.model)  # the one walk over the model's modules this step
         binding = self.cache.bind(self.model, self.optimizer, options.process_group, found)
         binding.world.pair(found.modules)  # before anything can fail: a failure must reach every rank alike
-        attempt = Attempt(binding.world)
+        attempt = Attempt(binding.world, self.noise)
         optimizer = self.optimizer if stepping else None
         try:
             call = self._check(batch, indices, binding, found, loss_fn, options, loss_calls)
@@ -170,6 +179,10 @@ class MicroBatchStreamer:
         _model.check_scaler_params(options.scaler, binding.params, binding.device)
         binding.world.check_options(options, binding.params)
         made = _loss.rule_and_call(loss_calls, loss_fn, options.normalize, info.pair)
+        if options.noise_scale and made[0].kind not in ("samples", "count"):
+            raise ValueError(f"noise_scale needs a loss that is a mean over its items (normalize='samples' or a "
+                             f"count), and this step's is normalize={made[0].kind!r}: per-item gradients are not "
+                             "defined for it (CachedLoss's loss couples the rows); leave noise_scale off")
         return Call(binding.params, batch, info, binding.device, binding.world, *made, found=found)
 
 

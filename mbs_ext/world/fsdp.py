@@ -44,6 +44,10 @@ def check_options(options: Any, buffer_dtype: torch.dtype | None) -> None:
         raise ValueError("scaler: a GradScaler under FSDP2 is not supported by mbs_ext yet; use bf16 through "
                          "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                          "reduce_dtype=torch.float32)), which needs no loss scaling")
+    if options.noise_scale:
+        raise ValueError("noise_scale under FSDP2 is not supported by mbs_ext yet (FSDP reduces each micro-batch's "
+                         "gradient shard by shard, so no rank sees a micro-batch's whole gradient): measure it with "
+                         "DistributedDataParallel or one process, or leave noise_scale off")
     if buffer_dtype is not None:
         raise ValueError(f"accumulation buffers ({buffer_dtype}) under FSDP2: FSDP accumulates the sharded "
                          "gradients itself. Keep float32 parameters and compute in bf16 through "

@@ -88,16 +88,22 @@ class World:
         """Before anything of a step can fail: whether its micro-batches must pair up across ranks
         (BatchNorm layers whose statistics span the ranks; ``modules``: the model's)."""
 
+    # Whether this step measures its gradient noise (``noise_scale``): it then accumulates in
+    # buffers, whose op sums each micro-batch's squared gradient norm on the way in. Set by
+    # check_options, which every step calls before anything else of the world's.
+    noise = False
+
     def check_options(self, options: StepOptions, params: list[nn.Parameter]) -> None:
         """What this world refuses, before anything changes."""
+        self.noise = options.noise_scale
 
     def buffer_dtype(self, requested: torch.dtype | None, params: list[nn.Parameter]) -> torch.dtype | None:
         """dtype of the step's accumulation buffers (None: autograd accumulates in ``.grad``)."""
-        return accumulation_dtype(requested, params)
+        return accumulation_dtype(requested, params, buffered=self.noise)
 
     def start(self, params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> Sink:
         """Buffers as every rank has them, then the sink the micro-batches' gradients go to."""
-        return make_sink(params, device, self.buffer_dtype(requested, params))
+        return make_sink(params, device, self.buffer_dtype(requested, params), noise=self.noise)
 
     # How the step counts (mbs_ext.counts.normalize.for_step): no other rank weighs this one's
     # counts; :meth:`agree` needs no total before the first micro-batch.

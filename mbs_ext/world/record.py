@@ -9,9 +9,12 @@ The agreements before or beside the pass (how many micro-batches each rank runs,
 rows of a coupled loss, whether every rank's checks passed) are one :func:`agree` each,
 the same record with their own values in front of the failure slots.
 
-    [total, loss_sum, invalid_counts, nonfinite | presence x params | failed x world | oom x world]
+    [total, loss_sum, invalid_counts, nonfinite, noise_sq, micro_batches | presence x params |
+     failed x world | oom x world]
 
-``presence`` (which parameters got a gradient on some rank) rides only where the step
+``noise_sq`` and ``micro_batches`` (``sum_j c_j |g_j|^2`` and the micro-batches run, for the
+noise scale: zeros without it) make every rank's micro-batches micro-batches of one global
+step. ``presence`` (which parameters got a gradient on some rank) rides only where the step
 sums the gradients itself (replicas); ``failed[r]`` is 1 + the micro-batch rank ``r``
 failed at + 1 (0: it did not fail), ``oom[r]`` 1.0 where that failure was out of memory.
 """
@@ -156,15 +159,16 @@ class Layout:
     rank: int
     presence: int = 0  # parameters whose presence rides along (replicas only)
 
-    HEAD = ("total", "loss_sum", "invalid_counts", "nonfinite")
+    HEAD = ("total", "loss_sum", "invalid_counts", "nonfinite", "noise_sq", "micro_batches")
 
     def pack(self, *, total: Value = 0.0, loss_sum: Value = 0.0, invalid_counts: Value = 0.0,
-             nonfinite: Value = 0.0, presence: list[bool] | None = None,
-             failure: Failure | None = None) -> list[Value]:
+             nonfinite: Value = 0.0, noise_sq: Value = 0.0, micro_batches: Value = 0.0,
+             presence: list[bool] | None = None, failure: Failure | None = None) -> list[Value]:
         """One rank's vector: a failing rank leaves the head and the presence at zero."""
         got = [float(g) for g in presence] if presence is not None else [0.0] * self.presence
         assert len(got) == self.presence, (len(got), self.presence)
-        return [total, loss_sum, invalid_counts, nonfinite, *got, *failure_slots(self.world, self.rank, failure)]
+        return [total, loss_sum, invalid_counts, nonfinite, noise_sq, micro_batches, *got,
+                *failure_slots(self.world, self.rank, failure)]
 
     def read(self, summed: torch.Tensor) -> Record:
         return Record(self, summed)
@@ -186,6 +190,12 @@ class Record:
 
     def failure_slots(self) -> torch.Tensor:
         return self.summed[len(Layout.HEAD) + self.layout.presence :]
+
+    def noise(self, local_sq: Value, local_micro_batches: int) -> tuple[Value, Value]:
+        """``sum_j c_j |g_j|^2`` and the micro-batches over every rank (this rank's alone on one process)."""
+        if self.summed is None:
+            return local_sq, float(local_micro_batches)
+        return self.head("noise_sq"), self.head("micro_batches")
 
     def failed(self) -> Value:
         """How many ranks failed, for the finish's one read (0.0 on one process)."""

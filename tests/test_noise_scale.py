@@ -1,0 +1,197 @@
+"""The gradient noise scale a step measures from its own micro-batches (``noise_scale=True``).
+
+The reference is independent of the step: per-example gradients of a float64 model from
+``torch.func`` (``vmap(grad)``) at the step's fixed weights. For one split they give every
+micro-batch's mean gradient ``g_j`` and the mini-batch's ``G_B`` exactly, so the step's
+``S = (sum_j b_j |g_j|^2 - B |G_B|^2) / (m - 1)`` and ``|G|^2 = |G_B|^2 - S / B`` must match to
+1e-10; over random splits (rows drawn in a random order through ``indices=``), the mean of ``S``
+must meet the trace of the per-example gradients' sample covariance (denominator ``B - 1``),
+for which it is unbiased at any micro-batch sizes (docs/noise-scale.md), within four standard
+errors of that mean (a seeded statistical test).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import mbs_ext
+from mbs_ext.diagnostics import split_sizes
+
+CLASSES = 3
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, CLASSES)).double()
+
+
+def _batch(n: int, seed: int = 1, ignored: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    if ignored:
+        y[torch.rand(n, generator=g) < ignored] = -100
+    return x, y
+
+
+def _per_example(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each row's gradient of its own cross entropy, flattened (rows x parameters)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([grads[k].reshape(len(x), -1) for k in params], 1)
+
+
+def _expected(per: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> tuple[float, float]:
+    """S and |G|^2 of one split of rows (``sizes``, in order), items = the valid rows."""
+    per = per * valid[:, None]
+    groups = [(part.sum(0), int(v.sum())) for part, v in zip(per.split(sizes), valid.split(sizes))]
+    items = sum(c for _, c in groups)
+    g_b = per.sum(0) / items
+    micro = sum((s / c).square().sum() * c for s, c in groups if c)
+    trace = (micro - items * g_b.square().sum()) / (len(sizes) - 1)
+    return float(trace), float(g_b.square().sum() - trace / items)
+
+
+@pytest.mark.parametrize("ignored", [0.0, 0.3], ids=["rows", "ignored_targets"])
+@pytest.mark.parametrize("m", [5, 7, 23 // 2])
+def test_one_split_matches_the_per_example_gradients(m, ignored):
+    """Unequal micro-batches (23 rows), counted by rows or by the targets a loss does not ignore."""
+    model = _model()
+    x, y = _batch(23, ignored=ignored)
+    valid = (y != -100).double()
+    per = torch.where(valid.bool()[:, None], _per_example(model, x, y.clamp(min=0)), 0.0)
+    result = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=m, noise_scale=True)
+    sizes = split_sizes(23, m)
+    trace, grad_sq = _expected(per, valid, sizes)
+    noise = result.noise
+    assert noise.micro_batches == len(sizes) and noise.items == valid.sum()
+    assert math.isclose(noise.trace, trace, rel_tol=1e-10), (noise.trace, trace)
+    assert math.isclose(noise.grad_sq, grad_sq, rel_tol=1e-10, abs_tol=1e-14), (noise.grad_sq, grad_sq)
+    # The gradient the step left is the mini-batch's: G_B, whose squared norm the estimate used.
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert math.isclose(float(got.square().sum()), noise.batch_sq, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("rows,m", [(24, 6), (23, 7)], ids=["equal", "unequal"])
+def test_mean_over_random_splits_is_the_sample_covariance_trace(rows, m):
+    model = _model()
+    x, y = _batch(rows)
+    per = _per_example(model, x, y)
+    sample_trace = float(((per - per.mean(0)).square().sum(1)).sum() / (rows - 1))
+    g = torch.Generator().manual_seed(7)
+    streamer = mbs_ext.MicroBatchStreamer(model, None, nn.CrossEntropyLoss(), micro_batch_size=m, noise_scale=True)
+    traces = torch.tensor([streamer.accumulate((x, y), indices=torch.randperm(rows, generator=g)).noise.trace
+                           for _ in range(400)], dtype=torch.float64)
+    stderr = float(traces.std() / math.sqrt(len(traces)))
+    assert abs(float(traces.mean()) - sample_trace) <= 4 * stderr, (float(traces.mean()), sample_trace, stderr)
+
+
+def test_the_step_measures_before_it_steps_and_the_averages_resume():
+    """``step`` measures at the weights it started from; the moving averages are a ratio of
+    averages, carried by ``state_dict``: a resumed streamer goes on exactly as the first would."""
+    model, x, y = _model(), *_batch(40)
+    frozen = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, nn.CrossEntropyLoss(), micro_batch_size=8, noise_scale=True)
+    first = streamer.step((x, y)).noise
+    assert math.isclose(first.trace, _expected(_per_example(frozen, x, y), torch.ones(40), [8] * 5)[0],
+                        rel_tol=1e-10)
+    assert first.steps == 1 and math.isclose(first.b_simple, first.trace / first.grad_sq, rel_tol=1e-12)
+    noises = [streamer.step((x, y)).noise for _ in range(3)]
+    # Ratio of the bias-corrected averages (beta 0.95), not the average of ratios.
+    b, samples = 0.95, [first, *noises]
+    w = [b ** (len(samples) - 1 - i) for i in range(len(samples))]
+    s = sum(wi * n.trace for wi, n in zip(w, samples))
+    gsq = sum(wi * n.grad_sq for wi, n in zip(w, samples))
+    assert math.isclose(noises[-1].b_simple, s / gsq, rel_tol=1e-12)
+    assert noises[-1].b_simple_stderr is not None and noises[-1].b_simple_stderr >= 0
+
+    state = streamer.state_dict()
+    twin_model = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin_model.parameters(), lr=0.05)
+    twin_opt.load_state_dict(opt.state_dict())
+    twin = mbs_ext.MicroBatchStreamer(twin_model, twin_opt, nn.CrossEntropyLoss(), micro_batch_size=8,
+                                      noise_scale=True)
+    twin.load_state_dict(state)
+    a, c = streamer.step((x, y)).noise, twin.step((x, y)).noise
+    assert (a.b_simple, a.b_simple_stderr, a.steps) == (c.b_simple, c.b_simple_stderr, c.steps)
+
+
+def test_the_averages_stay_per_item_when_the_mini_batch_size_changes():
+    """S and |G|^2 are per-item quantities: steps of 24 and of 48 rows at fixed weights estimate
+    the same ones (their means over random splits agree within their standard errors)."""
+    model = _model()
+    x, y = _batch(48)
+    g = torch.Generator().manual_seed(3)
+    streamer = mbs_ext.MicroBatchStreamer(model, None, nn.CrossEntropyLoss(), micro_batch_size=6, noise_scale=True)
+    est = {}
+    for rows in (24, 48):
+        traces = torch.tensor([streamer.accumulate((x, y), indices=torch.randperm(48, generator=g)[:rows]).noise.trace
+                               for _ in range(300)])
+        est[rows] = (float(traces.mean()), float(traces.std() / math.sqrt(len(traces))))
+    (a, sa), (b, sb) = est[24], est[48]
+    assert abs(a - b) <= 4 * math.hypot(sa, sb), est
+
+
+def test_a_loss_scaler_is_divided_out():
+    model = _model().float()
+    x, y = _batch(20)
+    x = x.float()
+    plain = mbs_ext.accumulate(copy.deepcopy(model), (x, y), nn.CrossEntropyLoss(), micro_batch_size=5,
+                               noise_scale=True).noise
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaled = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=5, noise_scale=True,
+                                scaler=scaler).noise
+    assert math.isclose(plain.trace, scaled.trace, rel_tol=1e-5) and math.isclose(plain.batch_sq, scaled.batch_sq,
+                                                                                   rel_tol=1e-5)
+
+
+def test_off_by_default_and_refused_where_it_has_no_meaning():
+    model, batch = _model(), _batch(12)
+    assert mbs_ext.accumulate(model, batch, nn.CrossEntropyLoss(), micro_batch_size=4).noise is None
+    one = mbs_ext.accumulate(model, batch, nn.CrossEntropyLoss(), micro_batch_size=12, noise_scale=True).noise
+    assert one.trace is None and one.b_simple is None  # one micro-batch: no spread to measure
+    with pytest.raises(ValueError, match="noise_scale needs a loss that is a mean"):
+        mbs_ext.accumulate(model, batch, lambda mod, mb: F.cross_entropy(mod(mb[0]), mb[1], reduction="sum"),
+                           micro_batch_size=4, normalize="sum", noise_scale=True)
+    with pytest.raises(TypeError, match="noise_scale must be a bool"):
+        mbs_ext.StepOptions(micro_batch_size=4, noise_scale=1)
+
+
+def _ranked(rank: int, cuts: list[int], m: int) -> tuple[float, float, int, float]:
+    """One DDP rank: its rows of the batch, its own micro-batches of the global step."""
+    model = nn.parallel.DistributedDataParallel(_model())
+    x, y = _batch(cuts[-1])
+    mine = slice(cuts[rank], cuts[rank + 1])
+    noise = mbs_ext.accumulate(model, (x[mine], y[mine]), nn.CrossEntropyLoss(), micro_batch_size=m,
+                               noise_scale=True).noise
+    return noise.trace, noise.grad_sq, noise.micro_batches, noise.items
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_measure_one_global_step():
+    """Under DDP every rank's micro-batches are micro-batches of one step: S and |G|^2 over the
+    two ranks' rows (13 and 10, split 4+3+3+3 and 4+3+3) equal the per-example reference over all
+    23 rows with those seven micro-batches, on both ranks."""
+    from ddp_harness import run_world
+
+    cuts, m = [0, 13, 23], 4
+    got = run_world(_ranked, cuts, m, timeout=120)
+    model = _model()
+    x, y = _batch(23)
+    sizes = split_sizes(13, m) + split_sizes(10, m)
+    trace, grad_sq = _expected(_per_example(model, x, y), torch.ones(23, dtype=torch.float64), sizes)
+    for rank_trace, rank_grad_sq, micro_batches, items in got:
+        assert (micro_batches, items) == (len(sizes), 23)
+        assert math.isclose(rank_trace, trace, rel_tol=1e-10) and math.isclose(rank_grad_sq, grad_sq, rel_tol=1e-9)
