@@ -27,10 +27,10 @@ _OP = torch.ops.mbs_ext.scale_accumulate_
 
 
 @torch.library.register_fake("mbs_ext::scale_accumulate_")
-def _scale_accumulate_fake(accumulators, grads, scale, found_inf) -> None:
+def _scale_accumulate_fake(accumulators, grads, scale, found_inf, sq_norm=None) -> None:
     # The kernels' checks but those that read memory (alignment, overlap): fake tensors
     # have none. In-place op with no outputs: nothing else to describe.
-    _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False))
+    _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False, sq_norm))
 
 
 def _raise(fault: tuple[str, str] | None) -> None:
@@ -75,7 +75,7 @@ def is_dtensor(t: Any) -> bool:
 def _refuse_dtensors(*groups: Any) -> None:
     """DTensors (FSDP2's sharded gradients) have no sharding rule for the op: refused with the
     fix, instead of the dispatcher's error about shared memory."""
-    for name, group in zip(("accumulators", "grads", "found_inf"), groups):
+    for name, group in zip(("accumulators", "grads", "found_inf", "sq_norm"), groups):
         items = group if isinstance(group, list) else [group]
         if any(is_dtensor(t) for t in items):
             raise TypeError(f"{name} holds DTensors (sharded, e.g. FSDP2 gradients), which scale_accumulate_ does "
@@ -83,19 +83,20 @@ def _refuse_dtensors(*groups: Any) -> None:
                             "shard by shard")
 
 
-def _dispatched(accumulators: Any, grads: Any, scale: Any, found_inf: torch.Tensor | None) -> torch.Tensor:
+def _dispatched(accumulators: Any, grads: Any, scale: Any, found_inf: torch.Tensor | None,
+                sq_norm: torch.Tensor | None) -> torch.Tensor:
     """The call through the registered op, for what the one crossing leaves to Python."""
     accumulators = _as_list("accumulators", accumulators)
     grads = _as_list("grads", grads)
-    _refuse_dtensors(accumulators, grads, found_inf)
+    _refuse_dtensors(accumulators, grads, found_inf, sq_norm)
     scale = _as_scale(scale)
-    if found_inf is None:  # on the tensors' device: accumulators[0]'s, else scale's, else the CPU
-        first = accumulators[0] if accumulators else scale
+    if found_inf is None:  # on the tensors' device: accumulators[0]'s, else sq_norm's, else scale's, else the CPU
+        first = accumulators[0] if accumulators else sq_norm if isinstance(sq_norm, torch.Tensor) else scale
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if not torch.compiler.is_compiling():  # traced, the fake kernel checks
-        _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False))
-    _OP(accumulators, grads, scale, found_inf)
+        _raise(_C._scale_accumulate(accumulators, grads, scale, found_inf, False, sq_norm))
+    _OP(accumulators, grads, scale, found_inf, sq_norm)
     return found_inf
 
 
@@ -104,6 +105,7 @@ def scale_accumulate_(
     grads: Sequence[torch.Tensor],
     scale: float | torch.Tensor,
     found_inf: torch.Tensor | None = None,
+    sq_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``accumulators[i] += scale * grads[i]`` for every i, in one fused pass.
 
@@ -114,16 +116,27 @@ def scale_accumulate_(
     here synchronizes with the GPU: ``scale`` may be a device tensor and is not checked (a
     non-finite one makes the accumulators non-finite without setting ``found_inf``).
 
+    ``sq_norm`` (a 0-dim float32 or float64 tensor on the tensors' device): when given, the
+    op adds to it the sum of squares of every element of every grad, as read (before
+    ``scale``), in the same pass over the grads: ``sq_norm += sum(g.double()**2 for g in
+    grads)``, with no extra read of memory and no host sync. The squares are summed in
+    float64 on the CPU (in fixed blocks, so one call gives the same sum every run) and in
+    float per thread, float64 per block, one atomic add per block on CUDA (whose block
+    order, and so last bits, vary). Never reset here: several calls add up. A non-finite
+    grad makes it inf or NaN (``found_inf`` flags it too). Without it the op runs as it
+    did before it existed.
+
     Raises TypeError/ValueError naming the argument for: lists of different lengths,
     non-tensors, non-float or sparse tensors, shape or device mismatches, devices
     other than cpu/cuda, tensors that require grad while grad mode is on (the op is
-    not differentiable), expanded accumulators, and accumulators or a found_inf that
-    share memory with another argument.
+    not differentiable), expanded accumulators, a found_inf or sq_norm of the wrong
+    dtype or shape, and accumulators, a found_inf or a sq_norm that share memory with
+    another argument.
     """
     if not torch.compiler.is_compiling():
-        out = _C._scale_accumulate(accumulators, grads, scale, found_inf, True)
+        out = _C._scale_accumulate(accumulators, grads, scale, found_inf, True, sq_norm)
         if type(out) is tuple:
             _raise(out)
         if out is not None:
             return out
-    return _dispatched(accumulators, grads, scale, found_inf)
+    return _dispatched(accumulators, grads, scale, found_inf, sq_norm)

@@ -201,9 +201,25 @@ def _bad_calls(device: str) -> list[tuple[str, object, type, str]]:
         ("acc-is-grad", shared(lambda b: ([b], [b], 1.0)), ValueError, "share memory"),
         ("overlapping-views", shared(lambda b: ([b[:5], b[4:]], [z(5), z(4)], 1.0)), ValueError, "share memory"),
         ("found-inf-in-acc", shared(lambda b: ([b], [z(8)], 1.0, b[3])), ValueError, "found_inf"),
+        ("sq-norm-shape", lambda: ([z()], [z()], 1.0, None, z(1)), ValueError, "sq_norm must be a 0-dim"),
+        ("sq-norm-f16", lambda: ([z()], [z()], 1.0, None, z(dtype=torch.float16)[0]), TypeError,
+         "sq_norm must be a float32 or float64"),
+        ("sq-norm-int", lambda: ([z()], [z()], 1.0, None, torch.zeros((), dtype=torch.int64, device=device)),
+         TypeError, "sq_norm must be a float32 or float64"),
+        ("sq-norm-number", lambda: ([z()], [z()], 1.0, None, 0.0), TypeError, "sq_norm must be a 0-dim .* or None"),
+        ("sq-norm-requires-grad", lambda: ([z()], [z()], 1.0, None, torch.zeros((), device=device, requires_grad=True)),
+         ValueError, "sq_norm requires grad"),
+        ("sq-norm-in-acc", shared(lambda b: ([b], [z(8)], 1.0, None, b[3])), ValueError, "sq_norm"),
+        ("sq-norm-in-grad", shared(lambda b: ([z(8)], [b], 1.0, None, b[0])), ValueError, "sq_norm"),
+        ("sq-norm-is-found-inf", shared(lambda b: ([z()], [z()], 1.0, b[0], b[0])), ValueError,
+         "found_inf and sq_norm may share memory"),
+        ("sq-norm-sparse", lambda: ([z()], [z()], 1.0, None, torch.zeros(2, device=device).to_sparse()), TypeError,
+         "sq_norm must be a dense"),
     ]
     if device == "cuda":
         cases += [
+            ("sq-norm-cpu", lambda: ([z()], [z()], 1.0, None, torch.zeros((), dtype=torch.float64)), ValueError,
+             "sq_norm is on cpu"),
             ("acc-cuda-grad-cpu", lambda: ([z()], [z(dev="cpu")], 1.0), ValueError, r"grads\[0\] is on cpu"),
             ("acc-cpu-grad-cuda", lambda: ([z(dev="cpu")], [z()], 1.0), ValueError, r"grads\[0\] is on cuda"),
             ("scale-cuda-tensors-cpu", lambda: ([z(dev="cpu")], [z(dev="cpu")], torch.tensor(1.0, device="cuda")),
@@ -256,9 +272,13 @@ def _raw_bad_calls(device: str) -> list[tuple[str, object, type, str]]:
         ("acc-is-grad", shared(lambda b: ([b], [b], one, flag())), ValueError, "share memory"),
         ("same-acc-twice", shared(lambda b: ([b, b], [z(8), z(8)], one, flag())), ValueError, "share memory"),
         ("found-inf-in-acc", shared(lambda b: ([b], [z(8)], one, b[2])), ValueError, "found_inf"),
+        ("sq-norm-shape", lambda: ([z()], [z()], one, flag(), flag(shape=(1,))), ValueError, "sq_norm must be a 0-dim"),
+        ("sq-norm-bf16", lambda: ([z()], [z()], one, flag(), flag(dtype=torch.bfloat16)), TypeError, "sq_norm"),
+        ("sq-norm-in-acc", shared(lambda b: ([b], [z(8)], one, flag(), b[5])), ValueError, "sq_norm"),
     ]
     if device == "cuda":
         cases += [
+            ("sq-norm-cpu", lambda: ([z()], [z()], one, flag(), flag(dev="cpu")), ValueError, "sq_norm is on cpu"),
             ("acc-cuda-grad-cpu", lambda: ([z()], [z(dev="cpu")], one, flag()), ValueError, r"grads\[0\] is on cpu"),
             ("acc-cpu-grad-cuda", lambda: ([z(dev="cpu")], [z()], one, flag(dev="cpu")), ValueError, "on cpu"),
             ("found-inf-cpu", lambda: ([z()], [z()], one, flag(dev="cpu")), ValueError, "found_inf is on cpu"),
@@ -626,7 +646,8 @@ def test_the_checks_are_written_once():
                 "has elements that share memory",
                 "same length", "must be float32, float64, bfloat16 or float16", "must be a dense",
                 "found_inf must be a 0-dim float32", "scale must be float32 or float64", "kernel was called with",
-                "runs on cpu and cuda tensors", "is not aligned"]
+                "runs on cpu and cuda tensors", "is not aligned", "sq_norm must be a 0-dim",
+                "sq_norm must be a float32 or float64", "sq_norm requires grad"]
     for message in messages:
         holders = sorted(str(p.relative_to(root)) for p in sources if message in p.read_text())
         assert holders == ["csrc/ops/arguments.cpp"], (message, holders)
@@ -653,3 +674,226 @@ def test_an_accumulator_saved_for_backward_is_caught_by_autograd(call):
     assert acc._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+# --- sq_norm: the sum of squares of the grads, read in the same pass ------------------------------
+
+SQ_DTYPES = [torch.float64, torch.float32]
+
+
+def squares_reference(grads) -> float:
+    """sum(g^2) over every element of every grad, as read, in float64 on the host (independent of the op)."""
+    return math.fsum(float((g.detach().cpu().double() ** 2).sum()) for g in grads)
+
+
+def sq_rtol(device: str, sq_dtype: torch.dtype) -> float:
+    # CPU: float64 squares and sums (a few roundings of 2^-53); CUDA: float per thread
+    # (<= 18 terms), float64 per block; a float32 output rounds once per block on CUDA, once
+    # per call on the CPU.
+    if sq_dtype == torch.float32:
+        return 1e-6 if device == "cpu" else 1e-4
+    return 1e-12 if device == "cpu" else 2e-6
+
+
+@pytest.mark.parametrize("acc_dtype,grad_dtype", list(itertools.product(FLOATS, FLOATS)))
+@pytest.mark.parametrize("sq_dtype", SQ_DTYPES)
+def test_sq_norm_every_dtype_pair(device, acc_dtype, grad_dtype, sq_dtype):
+    """The sum of squares of the grads as read (not scaled, not rounded to the accumulator's
+    dtype), added to what sq_norm held, with the same updates as a call without it."""
+    gen = torch.Generator().manual_seed(hash((acc_dtype, grad_dtype, sq_dtype)) % 2**31)
+    shapes = random_shapes(gen, 12) + [(1003,), (4097, 3), (70_001,)]
+    accs = [torch.randn(s, generator=gen).to(device, acc_dtype) for s in shapes]
+    grads = [(3 * torch.randn(s, generator=gen)).to(device, grad_dtype) for s in shapes]
+    twins = [a.clone() for a in accs]
+    start = 2.5
+    sq_norm = torch.full((), start, dtype=sq_dtype, device=device)
+    found_inf = mbs_ext.scale_accumulate_(accs, grads, -0.3, sq_norm=sq_norm)
+    mbs_ext.scale_accumulate_(twins, grads, -0.3)
+    for out, twin in zip(accs, twins):
+        assert torch.equal(out, twin)  # the updates do not change with the sum
+    assert found_inf.item() == 0.0
+    assert sq_norm.dtype == sq_dtype and sq_norm.shape == () and sq_norm.device.type == torch.device(device).type
+    expected = start + squares_reference(grads)
+    assert sq_norm.item() == pytest.approx(expected, rel=sq_rtol(device, sq_dtype))
+
+
+def test_sq_norm_adds_up_over_calls_and_scale_does_not_enter(device):
+    gen = torch.Generator().manual_seed(11)
+    accs = [torch.zeros(300, device=device), torch.zeros(7, 9, device=device, dtype=torch.float64)]
+    sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+    total = 0.0
+    for scale in (0.5, -4.0, 1e-3):
+        grads = [torch.randn(300, generator=gen).to(device, torch.bfloat16),
+                 torch.randn(7, 9, generator=gen).to(device, torch.float64)]
+        mbs_ext.scale_accumulate_(accs, grads, scale, None, sq_norm)
+        total += squares_reference(grads)
+        assert sq_norm.item() == pytest.approx(total, rel=sq_rtol(device, torch.float64))
+
+
+def test_sq_norm_non_contiguous_and_empty_grads(device):
+    """Strided grads (copied to contiguous stand-ins, as the op does) and transposed pairs count
+    every logical element once; empty tensors and an empty call add nothing."""
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(40, 18, generator=gen).to(device)
+    grads = [base[:, ::2], torch.randn(9, 5, generator=gen).to(device).t(), torch.zeros(0, device=device),
+             torch.randn(3, 0, generator=gen).to(device), torch.randn(33, generator=gen).to(device, torch.float16)[::3]]
+    accs = [torch.zeros(g.shape, device=device) for g in grads]
+    accs[1] = torch.zeros(9, 5, device=device).t()  # the same strides as its grad: used as it is
+    sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+    mbs_ext.scale_accumulate_(accs, grads, 1.0, None, sq_norm)
+    assert sq_norm.item() == pytest.approx(squares_reference(grads), rel=sq_rtol(device, torch.float64))
+    for a, g in zip(accs, grads):
+        torch.testing.assert_close(a, g.float(), rtol=0, atol=0)
+
+    nothing = torch.full((), 7.0, dtype=torch.float64, device=device)
+    mbs_ext.scale_accumulate_([], [], 1.0, None, nothing)
+    mbs_ext.scale_accumulate_([torch.zeros(0, 3, device=device)], [torch.zeros(0, 3, device=device)], 1.0, None,
+                              nothing)
+    assert nothing.item() == 7.0
+
+
+def test_sq_norm_large_call_is_the_same_every_run_and_any_thread_count():
+    """On the CPU the sum is added in fixed blocks in a fixed order: bit for bit the same on every
+    run, with one thread or several."""
+    gen = torch.Generator().manual_seed(13)
+    grads = [torch.randn(n, generator=gen) for n in (3_000_001, 5, 70_000, 1 << 18)]
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, max(2, threads), 1, max(2, threads)):
+            torch.set_num_threads(n)
+            sq_norm = torch.zeros((), dtype=torch.float64)
+            mbs_ext.scale_accumulate_([torch.zeros_like(g) for g in grads], grads, 1.0, None, sq_norm)
+            results.append(sq_norm.item())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(set(results)) == 1, results
+    assert results[0] == pytest.approx(squares_reference(grads), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("grad_dtype", FLOATS)
+def test_sq_norm_non_finite(device, bad, grad_dtype):
+    """A non-finite grad makes the sum inf (inf) or NaN (NaN), and found_inf is set as without it."""
+    grads = [torch.ones(4096 + 3, device=device, dtype=grad_dtype), torch.ones(5, device=device, dtype=grad_dtype)]
+    grads[0][-2] = bad
+    sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+    found_inf = mbs_ext.scale_accumulate_([torch.zeros_like(g, dtype=torch.float32) for g in grads], grads, 1.0,
+                                          None, sq_norm)
+    assert found_inf.item() == 1.0
+    assert math.isnan(sq_norm.item()) if math.isnan(bad) else sq_norm.item() == math.inf
+
+
+def test_sq_norm_float64_grad_is_squared_as_read(device):
+    """A float64 grad beyond float32's range (inf for a float32 accumulator, so flagged) is
+    squared in float64: 1e100 gives 1e200, not inf."""
+    sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+    grads = [torch.tensor([1e100, 2.0], dtype=torch.float64, device=device)]
+    found_inf = mbs_ext.scale_accumulate_([torch.zeros(2, device=device)], grads, 1.0, None, sq_norm)
+    assert found_inf.item() == 1.0
+    assert sq_norm.item() == pytest.approx(1e200, rel=1e-12)
+
+
+def test_sq_norm_through_every_path(device):
+    """The public call's fast path, the dispatched path (a tuple subclass, a 16-bit scale),
+    torch.ops directly, and keyword arguments all add the same sum."""
+    gen = torch.Generator().manual_seed(14)
+    grads = [torch.randn(100, generator=gen).to(device), torch.randn(3, 3, generator=gen).to(device, torch.bfloat16)]
+    accs = [torch.zeros(g.shape, device=device) for g in grads]
+    expected = squares_reference(grads)
+    sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+    found_inf = torch.zeros((), device=device)
+    calls = [
+        lambda: mbs_ext.scale_accumulate_(accs, grads, 0.5, found_inf, sq_norm),
+        lambda: mbs_ext.scale_accumulate_(accs, grads, 0.5, sq_norm=sq_norm),
+        lambda: mbs_ext.scale_accumulate_(UserList(accs), UserList(grads), 0.5, found_inf, sq_norm),
+        lambda: mbs_ext.scale_accumulate_(accs, grads, torch.tensor(0.5, dtype=torch.bfloat16, device=device),
+                                          sq_norm=sq_norm),
+        lambda: torch.ops.mbs_ext.scale_accumulate_(accs, grads, torch.tensor(0.5), found_inf, sq_norm),
+        lambda: torch.ops.mbs_ext.scale_accumulate_(accs, grads, torch.tensor(0.5), found_inf, sq_norm=sq_norm),
+    ]
+    for n, call in enumerate(calls, start=1):
+        call()
+        assert sq_norm.item() == pytest.approx(n * expected, rel=sq_rtol(device, torch.float64)), n
+    assert found_inf.item() == 0.0
+
+
+def test_sq_norm_version_is_bumped():
+    sq_norm = torch.zeros((), dtype=torch.float64)
+    before = sq_norm._version
+    mbs_ext.scale_accumulate_([torch.zeros(3)], [torch.ones(3)], 1.0, None, sq_norm)
+    assert sq_norm._version > before
+    assert sq_norm.item() == 3.0
+
+
+@pytest.mark.parametrize("sq_dtype", SQ_DTYPES)
+def test_opcheck_with_sq_norm(device, sq_dtype):
+    # opcheck runs the op on copies: its schema test checks that sq_norm is declared mutated.
+    for args in _opcheck_args(device):
+        sq_norm = torch.full((), 0.5, dtype=sq_dtype, device=device)
+        torch.library.opcheck(torch.ops.mbs_ext.scale_accumulate_.default, (*args, sq_norm))
+
+
+def test_sq_norm_under_torch_compile():
+    def accumulate(accs, grads, found_inf, sq_norm):
+        mbs_ext.scale_accumulate_(accs, grads, 2.0, found_inf, sq_norm)
+        return accs[0] * 1, sq_norm * 1
+
+    accs, found_inf = [torch.zeros(4)], torch.zeros(())
+    sq_norm = torch.zeros((), dtype=torch.float64)
+    compiled = torch.compile(accumulate, backend="aot_eager", fullgraph=True)
+    out, seen = compiled(accs, [torch.full((4,), 3.0)], found_inf, sq_norm)
+    assert torch.equal(out, torch.full((4,), 6.0))
+    assert sq_norm.item() == 36.0 and seen.item() == 36.0
+    with pytest.raises(Exception, match="sq_norm must be a 0-dim"):
+        compiled(accs, [torch.ones(4)], found_inf, torch.zeros(2, dtype=torch.float64))
+
+
+def test_sq_norm_fake_kernel_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.mbs_ext.scale_accumulate_
+    with FakeTensorMode():
+        op([torch.zeros(2)], [torch.zeros(2)], torch.tensor(1.0), torch.zeros(()), torch.zeros((), dtype=torch.float64))
+        with pytest.raises(TypeError, match="^sq_norm must be a float32 or float64 tensor, got Half$"):
+            op([torch.zeros(2)], [torch.zeros(2)], torch.tensor(1.0), torch.zeros(()),
+               torch.zeros((), dtype=torch.float16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sq_dtype", SQ_DTYPES)
+def test_cuda_sq_norm_no_host_sync_and_graph_capture(sq_dtype):
+    """With sq_norm the call still never synchronizes, and it replays in a CUDA graph: each
+    replay adds the grads' current sum of squares on the device."""
+    accs = [torch.zeros(1000, device="cuda"), torch.zeros(70_000, device="cuda")]
+    grads = [torch.ones(1000, device="cuda", dtype=torch.bfloat16), torch.full((70_000,), 2.0, device="cuda")]
+    scale = torch.tensor(0.5, device="cuda")
+    found_inf = torch.zeros((), device="cuda")
+    sq_norm = torch.zeros((), device="cuda", dtype=sq_dtype)
+    per_call = 1000 * 1.0 + 70_000 * 4.0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mbs_ext.scale_accumulate_(accs, grads, scale, found_inf, sq_norm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sq_norm.item() == per_call
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        mbs_ext.scale_accumulate_(accs, grads, scale, found_inf, sq_norm)  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            mbs_ext.scale_accumulate_(accs, grads, scale, found_inf, sq_norm)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    sq_norm.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert sq_norm.item() == per_call
+    grads[1].fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert sq_norm.item() == per_call + 1000 * 1.0 + 70_000 * 9.0
+    assert found_inf.item() == 0.0

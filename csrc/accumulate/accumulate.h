@@ -6,8 +6,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "accumulate/dtype.h"
@@ -122,16 +124,92 @@ MBS_ALWAYS_INLINE bool accumulate_span(void* acc_raw, const void* grad_raw, int6
   return bad != 0;
 }
 
+// The sum of squares runs in lanes: independent float64 partial sums kept in two 4-wide
+// vectors (GCC/Clang vector extensions, one AVX register each in the AVX2 clone, two SSE2
+// registers otherwise), grad i of a group of 8 going to lane i. A single running sum would be
+// a serial chain the compiler may not reorder (nor vectorize); the lanes are added up in a
+// fixed order, so a span's sum is the same on every run.
+using Lanes = double __attribute__((vector_size(32)));
+using Floats4 = float __attribute__((vector_size(16)));
+
+// The lanes added in a fixed order: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+MBS_ALWAYS_INLINE double add_lanes(const Lanes& lo, const Lanes& hi) {
+  return ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((hi[0] + hi[1]) + (hi[2] + hi[3]));
+}
+
+// A grad as read, exactly: float64 grads as they are, the others as float (a bf16/fp16 value
+// widens exactly).
+template <DType G> using Wide = std::conditional_t<G == DType::f64, double, float>;
+template <DType G> using Wide4 = std::conditional_t<G == DType::f64, Lanes, Floats4>;
+
+// Elements per tile of accumulate_span_squares: small enough that the tile's grads are still
+// in L1 when they are squared (read from memory once), large enough to amortize the loop setup.
+constexpr int64_t kSquaresTile = 256;
+
+// accumulate_span, and adds to `squares` the sum over the span of grad[i]^2: the grads as
+// read (unscaled), widened exactly to float64 and squared there (a float32, bf16 or fp16
+// square is exact in float64; a float64 one rounds once), summed in float64 lanes. A
+// non-finite grad makes the sum inf or NaN; the returned flag and every update are
+// accumulate_span's, bit for bit (it runs as it is, tile by tile).
+//
+// One pass over memory, in tiles: accumulate_span updates a tile, then the tile's grads, now
+// in L1, are squared into a buffer (an elementwise loop the compiler vectorizes, conversions
+// included) and the buffer is added into the lanes 8 at a time. A loop that squares and adds
+// as it updates keeps the compiler from vectorizing the conversions (4-5x slower for bf16).
+template <DType A, DType G>
+MBS_ALWAYS_INLINE bool accumulate_span_squares(void* acc_raw, const void* grad_raw, int64_t n, double scale,
+                                               double& squares) {
+  const auto* grad = static_cast<const typename Storage<G>::type*>(grad_raw);
+  auto* acc = static_cast<typename Storage<A>::type*>(acc_raw);
+  bool bad = false;
+  Lanes lo = {0.0, 0.0, 0.0, 0.0};
+  Lanes hi = lo;
+  double tail = 0.0;
+  alignas(32) double squared[kSquaresTile];
+  for (int64_t start = 0; start < n; start += kSquaresTile) {
+    const int64_t m = n - start < kSquaresTile ? n - start : kSquaresTile;
+    bad |= accumulate_span<A, G>(acc + start, grad + start, m, scale);
+    const auto* __restrict__ g = grad + start;
+    for (int64_t j = 0; j < m; ++j) {
+      const double w = load<G, double>(g + j);
+      squared[j] = w * w;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      Lanes a;
+      Lanes b;
+      std::memcpy(&a, squared + j, sizeof a);
+      std::memcpy(&b, squared + j + 4, sizeof b);
+      lo += a;
+      hi += b;
+    }
+    for (; j < m; ++j) tail += squared[j];
+  }
+  squares += add_lanes(lo, hi) + tail;
+  return bad;
+}
+
 using SpanFn = bool (*)(void*, const void*, int64_t, double);
+// The same with the sum of squares of the grads added to the last argument.
+using SquaresSpanFn = bool (*)(void*, const void*, int64_t, double, double&);
 
 template <DType A, DType G> bool accumulate_span_default(void* acc, const void* grad, int64_t n, double s) {
   return accumulate_span<A, G>(acc, grad, n, s);
+}
+template <DType A, DType G>
+bool accumulate_span_squares_default(void* acc, const void* grad, int64_t n, double s, double& squares) {
+  return accumulate_span_squares<A, G>(acc, grad, n, s, squares);
 }
 
 #if MBS_HAVE_AVX2_CLONES
 template <DType A, DType G>
 __attribute__((target("avx2"))) bool accumulate_span_avx2(void* acc, const void* grad, int64_t n, double s) {
   return accumulate_span<A, G>(acc, grad, n, s);
+}
+template <DType A, DType G>
+__attribute__((target("avx2"))) bool accumulate_span_squares_avx2(void* acc, const void* grad, int64_t n, double s,
+                                                                  double& squares) {
+  return accumulate_span_squares<A, G>(acc, grad, n, s, squares);
 }
 
 // float32 into float32, the case a full-precision model spends its accumulation in. On one
@@ -165,6 +243,46 @@ accumulate_span_avx2<DType::f32, DType::f32>(void* acc_raw, const void* grad_raw
   const __m256 bad = _mm256_add_ps(bad0, bad1);
   return tail_bad || _mm256_movemask_ps(_mm256_cmp_ps(bad, zero, _CMP_NEQ_UQ)) != 0;
 }
+
+// The float32 loop above with the sum of squares: each group of 4 grads widened to float64
+// (exact) and squared into its own accumulator by a fused multiply-add, 4 accumulators of 4
+// lanes. Here the squares are the non-finite flag as well: a float32 square is at most
+// 2^256 and the sum of fewer than 2^52 of them stays finite in float64, so a lane ends
+// non-finite exactly when one of its grads was inf or NaN, and the flag's own multiply-add
+// goes away. The lanes are added in a fixed order, then the tail (the portable loop).
+template <>
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool
+accumulate_span_squares_avx2<DType::f32, DType::f32>(void* acc_raw, const void* grad_raw, int64_t n, double scale,
+                                                     double& squares) {
+  auto* acc = static_cast<float*>(acc_raw);
+  const auto* grad = static_cast<const float*>(grad_raw);
+  const __m256 s = _mm256_set1_ps(static_cast<float>(scale));
+  __m256d sq0 = _mm256_setzero_pd();
+  __m256d sq1 = _mm256_setzero_pd();
+  __m256d sq2 = _mm256_setzero_pd();
+  __m256d sq3 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 g0 = _mm256_loadu_ps(grad + i);
+    const __m256 g1 = _mm256_loadu_ps(grad + i + 8);
+    const __m256d w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(g0));
+    const __m256d w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(g0, 1));
+    const __m256d w2 = _mm256_cvtps_pd(_mm256_castps256_ps128(g1));
+    const __m256d w3 = _mm256_cvtps_pd(_mm256_extractf128_ps(g1, 1));
+    sq0 = _mm256_fmadd_pd(w0, w0, sq0);
+    sq1 = _mm256_fmadd_pd(w1, w1, sq1);
+    sq2 = _mm256_fmadd_pd(w2, w2, sq2);
+    sq3 = _mm256_fmadd_pd(w3, w3, sq3);
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(s, g0)));
+    _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), _mm256_mul_ps(s, g1)));
+  }
+  const double vectors = add_lanes(Lanes(sq0), Lanes(sq1)) + add_lanes(Lanes(sq2), Lanes(sq3));
+  double tail = 0.0;
+  const bool tail_bad =
+      accumulate_span_squares_default<DType::f32, DType::f32>(acc + i, grad + i, n - i, scale, tail);
+  squares += vectors + tail;
+  return tail_bad || !std::isfinite(vectors);
+}
 #endif
 
 // AVX2 and FMA: the float32 loop's flag is a fused multiply-add (Intel's and AMD's AVX2 CPUs
@@ -187,6 +305,17 @@ template <DType A, DType G> SpanFn pick_span_kernel() {
 
 inline SpanFn span_kernel(DType acc, DType grad) {
   return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_span_kernel<a.value, g.value>(); });
+}
+
+template <DType A, DType G> SquaresSpanFn pick_squares_span_kernel() {
+#if MBS_HAVE_AVX2_CLONES
+  if (cpu_has_avx2_fma()) return &accumulate_span_squares_avx2<A, G>;
+#endif
+  return &accumulate_span_squares_default<A, G>;
+}
+
+inline SquaresSpanFn squares_span_kernel(DType acc, DType grad) {
+  return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_squares_span_kernel<a.value, g.value>(); });
 }
 
 struct Pair {
@@ -215,6 +344,23 @@ class FlatPairs {
 
   // Processes flat elements [begin, end); returns true if a non-finite grad was seen.
   bool run(int64_t begin, int64_t end, double scale) const {
+    return for_spans(begin, end, [&](const Pair& p, void* acc, const void* grad, int64_t n) {
+      return span_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, n, scale);
+    });
+  }
+
+  // run(), and adds to `squares` the sum of the squares of the grads in [begin, end), summed
+  // in float64 span by span in a fixed order: the same range gives the same sum every time.
+  bool run(int64_t begin, int64_t end, double scale, double& squares) const {
+    return for_spans(begin, end, [&](const Pair& p, void* acc, const void* grad, int64_t n) {
+      return squares_span_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, n, scale, squares);
+    });
+  }
+
+ private:
+  // span(pair, acc, grad, n) over the parts of the pairs that [begin, end) covers, in order;
+  // returns the OR of what the calls return.
+  template <typename Span> bool for_spans(int64_t begin, int64_t end, Span&& span) const {
     if (begin >= end) return false;
     // First pair whose range contains `begin` (skipping empty pairs).
     auto it = std::upper_bound(starts_.begin(), starts_.end() - 1, begin);
@@ -227,7 +373,7 @@ class FlatPairs {
       if (hi > lo) {
         auto* acc = static_cast<char*>(p.acc) + lo * element_size(p.acc_dtype);
         const auto* grad = static_cast<const char*>(p.grad) + lo * element_size(p.grad_dtype);
-        bad |= span_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, hi - lo, scale);
+        bad |= span(p, acc, grad, hi - lo);
         begin = starts_[idx] + hi;
       }
       ++idx;
@@ -235,7 +381,6 @@ class FlatPairs {
     return bad;
   }
 
- private:
   std::vector<Pair> pairs_;
   std::vector<int64_t> starts_;
 };

@@ -78,6 +78,26 @@ MaybeFault found_inf_fault(const Arguments& args, const Sight& sight) {
   return std::nullopt;
 }
 
+// sq_norm: where the op adds the sum of the squares of the grads, so a 0-dim float tensor
+// wide enough to hold it (float32 or float64, no 16-bit type).
+MaybeFault sq_norm_fault(const Arguments& args, const Sight& sight) {
+  if (args.sq_norm_not_tensor != nullptr) {
+    return type_fault("sq_norm must be a 0-dim float32 or float64 tensor or None, got ", args.sq_norm_not_tensor);
+  }
+  if (args.sq_norm == nullptr) return std::nullopt;
+  const at::Tensor& sq_norm = *args.sq_norm;
+  if (!sq_norm.defined()) return value_fault("sq_norm is an undefined tensor");
+  if (sq_norm.layout() != at::kStrided) return type_fault("sq_norm must be a dense tensor, got ", sq_norm.layout());
+  if (sq_norm.scalar_type() != at::kFloat && sq_norm.scalar_type() != at::kDouble) {
+    return type_fault("sq_norm must be a float32 or float64 tensor, got ", sq_norm.scalar_type());
+  }
+  if (sq_norm.dim() != 0) return value_fault("sq_norm must be a 0-dim tensor, got shape ", sq_norm.sym_sizes());
+  if (sight.grad_mode && sq_norm.requires_grad()) {
+    return value_fault("sq_norm requires grad; the op adds to it in place: pass a plain float32 or float64 tensor");
+  }
+  return std::nullopt;
+}
+
 MaybeFault scale_fault(const Arguments& args) {
   if (args.scale == nullptr) return std::nullopt;  // a number, checked by the Python face
   const at::Tensor& scale = *args.scale;
@@ -100,6 +120,7 @@ MaybeFault device_fault(const Arguments& args, c10::Device device, const Sight& 
   if (device.is_cpu() || device.is_cuda()) return std::nullopt;
   const char* owner = !args.accumulators.empty() ? "accumulators[0]"
                       : args.found_inf != nullptr ? "found_inf"
+                      : args.sq_norm != nullptr   ? "sq_norm"
                       : args.scale != nullptr     ? "scale"
                                                   : "the tensors";
   return value_fault(owner, " is on ", device, "; scale_accumulate_ runs on cpu and cuda tensors");
@@ -109,6 +130,9 @@ MaybeFault placement_fault(const Arguments& args, c10::Device device) {
   if (args.found_inf != nullptr && args.found_inf->device() != device) {
     return value_fault("found_inf is on ", args.found_inf->device(), " but the tensors are on ", device);
   }
+  if (args.sq_norm != nullptr && args.sq_norm->device() != device) {
+    return value_fault("sq_norm is on ", args.sq_norm->device(), " but the tensors are on ", device);
+  }
   if (args.scale != nullptr && args.scale->device() != device && !args.scale->device().is_cpu()) {
     return value_fault("scale is on ", args.scale->device(), " but must be on ", device, " or be a CPU scalar");
   }
@@ -117,12 +141,12 @@ MaybeFault placement_fault(const Arguments& args, c10::Device device) {
 
 // The bytes a tensor can touch, [begin, end), with the argument that owns them.
 struct Extent {
-  enum List : int64_t { kAccumulators = 0, kGrads = 1, kFoundInf = 2, kScale = 3 };
+  enum List : int64_t { kAccumulators = 0, kGrads = 1, kFoundInf = 2, kScale = 3, kSqNorm = 4 };
   uintptr_t begin;
   uintptr_t end;
   int64_t list;
-  int64_t index;  // position in the list (0 for found_inf and scale)
-  bool written() const { return list == kAccumulators || list == kFoundInf; }
+  int64_t index;  // position in the list (0 for found_inf, scale and sq_norm)
+  bool written() const { return list == kAccumulators || list == kFoundInf || list == kSqNorm; }
 };
 
 Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
@@ -136,12 +160,13 @@ Extent extent_of(const at::Tensor& t, int64_t list, int64_t index) {
 }
 
 std::string name_of(const Extent& e) {
-  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale"};
+  static const char* const names[] = {"accumulators", "grads", "found_inf", "scale", "sq_norm"};
   return e.list <= Extent::kGrads ? c10::str(names[e.list], "[", e.index, "]") : names[e.list];
 }
 
-// No written tensor (an accumulator, found_inf) may share memory with another argument: the
-// kernels update all pairs in parallel, so an overlap is a data race. Address ranges are
+// No written tensor (an accumulator, found_inf, sq_norm) may share memory with another
+// argument: the kernels update all pairs in parallel, so an overlap is a data race (and a
+// sum of squares read from a grad it writes would change what it sums). Address ranges are
 // compared, so interleaved views of one buffer are refused too. Empty pairs own no bytes; a
 // CPU scale beside device tensors is read by value. A sorted sweep: any overlap involving a
 // written extent shows up against the extent with the largest end seen so far.
@@ -154,6 +179,7 @@ MaybeFault overlap_fault(const Arguments& args, c10::Device device) {
     extents.push_back(extent_of(args.grads[i], Extent::kGrads, static_cast<int64_t>(i)));
   }
   if (args.found_inf != nullptr) extents.push_back(extent_of(*args.found_inf, Extent::kFoundInf, 0));
+  if (args.sq_norm != nullptr) extents.push_back(extent_of(*args.sq_norm, Extent::kSqNorm, 0));
   if (args.scale != nullptr && args.scale->device() == device) {
     extents.push_back(extent_of(*args.scale, Extent::kScale, 0));
   }
@@ -162,7 +188,8 @@ MaybeFault overlap_fault(const Arguments& args, c10::Device device) {
   for (const Extent& e : extents) {
     if (reach != nullptr && e.begin < reach->end && (e.written() || reach->written())) {
       return value_fault(name_of(*reach), " and ", name_of(e),
-                         " may share memory; accumulators and found_inf must not overlap any other argument");
+                         " may share memory; accumulators, found_inf and sq_norm must not overlap any other "
+                         "argument");
     }
     if (reach == nullptr || e.end > reach->end) reach = &e;
   }
@@ -185,6 +212,7 @@ std::optional<accumulate::DType> float_dtype(at::ScalarType t) {
 c10::Device device_of(const Arguments& args) {
   if (!args.accumulators.empty() && args.accumulators[0].defined()) return args.accumulators[0].device();
   if (args.found_inf != nullptr && args.found_inf->defined()) return args.found_inf->device();
+  if (args.sq_norm != nullptr && args.sq_norm->defined()) return args.sq_norm->device();
   if (args.scale != nullptr && args.scale->defined()) return args.scale->device();
   return c10::Device(c10::kCPU);
 }
@@ -196,6 +224,7 @@ MaybeFault first_fault(const Arguments& args, const Sight& sight) {
                        args.grads.size(), " grads");
   }
   if (auto fault = found_inf_fault(args, sight)) return fault;
+  if (auto fault = sq_norm_fault(args, sight)) return fault;
   if (auto fault = scale_fault(args)) return fault;
   if (n > 0 && !args.accumulators[0].defined()) return missing_fault("accumulators", 0, args.accumulators_not_tensor);
   const c10::Device device = device_of(args);
@@ -209,8 +238,9 @@ MaybeFault first_fault(const Arguments& args, const Sight& sight) {
 
 c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                                         const at::Tensor& scale, const at::Tensor& found_inf,
-                                        c10::DeviceType kernel_device) {
-  const Arguments args{accumulators, grads, &scale, &found_inf};
+                                        const at::Tensor* sq_norm, c10::DeviceType kernel_device) {
+  Arguments args{accumulators, grads, &scale, &found_inf};
+  args.sq_norm = sq_norm;
   // Below the autograd layer: whether a tensor requires grad is not the kernel's concern.
   const Sight sight{/*grad_mode=*/false, /*data=*/true, kernel_device};
   if (const MaybeFault fault = first_fault(args, sight)) {

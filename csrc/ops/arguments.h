@@ -44,9 +44,11 @@ struct Arguments {
   at::TensorList grads;
   const at::Tensor* scale = nullptr;      // null: a Python number, read by value
   const at::Tensor* found_inf = nullptr;  // null: not given (the Python face creates it)
+  const at::Tensor* sq_norm = nullptr;    // null: not given (no sum of squares)
   NotTensor accumulators_not_tensor{};    // from Python lists only
   NotTensor grads_not_tensor{};
   const char* found_inf_not_tensor = nullptr;  // found_inf's type when it is neither a tensor nor None
+  const char* sq_norm_not_tensor = nullptr;    // sq_norm's type when it is neither a tensor nor None
 };
 
 // What the caller can check.
@@ -56,21 +58,24 @@ struct Sight {
   std::optional<c10::DeviceType> kernel;  // the kernel the dispatcher picked
 };
 
-// The device the tensors live on: accumulators[0]'s, else found_inf's, else scale's, else the CPU.
+// The device the tensors live on: accumulators[0]'s, else found_inf's, else sq_norm's, else
+// scale's, else the CPU.
 c10::Device device_of(const Arguments& args);
 
-// The first refused argument, checked in this order: list lengths; found_inf and scale on their
-// own; the device (the kernel's, or one the op runs on); every pair (defined dense float tensors
-// on that device, of one shape, aligned to their element size, the accumulator writable in place;
-// in grad mode, neither tracked by autograd); found_inf and scale on that device (scale may be a
-// CPU scalar); no written tensor (an accumulator, found_inf) sharing memory with another argument.
+// The first refused argument, checked in this order: list lengths; found_inf, sq_norm and scale
+// on their own; the device (the kernel's, or one the op runs on); every pair (defined dense float
+// tensors on that device, of one shape, aligned to their element size, the accumulator writable
+// in place; in grad mode, neither tracked by autograd); found_inf, sq_norm and scale on that
+// device (scale may be a CPU scalar); no written tensor (an accumulator, found_inf, sq_norm)
+// sharing memory with another argument.
 MaybeFault first_fault(const Arguments& args, const Sight& sight);
 
 // first_fault for a kernel of `kernel_device`, raised as the matching c10 error prefixed with
 // the op's name. The dispatcher picks the kernel from the highest-priority device among all
-// tensor arguments, so the tensors are checked against it. Returns the tensors' device.
+// tensor arguments, so the tensors are checked against it. sq_norm may be null (not given).
+// Returns the tensors' device.
 c10::Device check_scale_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                                         const at::Tensor& scale, const at::Tensor& found_inf,
-                                        c10::DeviceType kernel_device);
+                                        const at::Tensor* sq_norm, c10::DeviceType kernel_device);
 
 }  // namespace mbs

@@ -1,7 +1,7 @@
 // mbs_ext._C._scale_accumulate: the Python face's one crossing into C++ per call.
 //
 // It reads the Python arguments (lists or tuples of tensors, a number or tensor scale,
-// found_inf or None) through torch's pybind11 caster for tensors, checks them with the op's
+// found_inf or None, sq_norm or None) through torch's pybind11 caster for tensors, checks them with the op's
 // one check layer (ops/arguments.h), and for a plain eager call runs the kernel of the
 // tensors' device (ops/kernels.h) with the GIL released. It never raises for bad arguments: it returns the
 // fault, and mbs_ext/ops.py raises it. What it leaves to Python it says by returning None.
@@ -129,7 +129,7 @@ void bump_versions(at::TensorList tensors) {
 }
 
 py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handle scale, py::handle found_inf,
-                            bool run) {
+                            bool run, py::handle sq_norm) {
   const bool sequences = (PyList_Check(accumulators.ptr()) || PyTuple_Check(accumulators.ptr())) &&
                          (PyList_Check(grads.ptr()) || PyTuple_Check(grads.ptr()));
   if (!sequences || (run && dispatcher_needed())) return py::none();
@@ -159,6 +159,13 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   } else if (!found_inf.is_none()) {
     args.found_inf_not_tensor = Py_TYPE(found_inf.ptr())->tp_name;
   }
+  const std::optional<at::Tensor> sq_norm_tensor = as_tensor(sq_norm.ptr());
+  if (sq_norm_tensor) {
+    seen.add(*sq_norm_tensor);
+    args.sq_norm = &*sq_norm_tensor;
+  } else if (!sq_norm.is_none()) {
+    args.sq_norm_not_tensor = Py_TYPE(sq_norm.ptr())->tp_name;
+  }
   if (run && !seen.plain) return py::none();  // DTensors are refused by ops.py before any check
 
   const Sight sight{at::GradMode::is_enabled(), seen.data, std::nullopt};
@@ -168,16 +175,17 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   const Kernel kernel = kernel_for(device.type());
   if (kernel == nullptr || !seen.data) return py::none();  // the dispatcher says what is missing
   bump_versions(args.accumulators);
+  if (args.sq_norm != nullptr) bump_versions(*args.sq_norm);
   if (args.found_inf != nullptr) {
     bump_versions(*args.found_inf);
     const py::gil_scoped_release no_gil;  // accs and grad_list hold the lists' tensors
-    kernel(args.accumulators, args.grads, scale_arg, *args.found_inf, device);
+    kernel(args.accumulators, args.grads, scale_arg, *args.found_inf, args.sq_norm, device);
     return py::reinterpret_borrow<py::object>(found_inf);
   }
   at::Tensor flag = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   {
     const py::gil_scoped_release no_gil;
-    kernel(args.accumulators, args.grads, scale_arg, flag, device);
+    kernel(args.accumulators, args.grads, scale_arg, flag, args.sq_norm, device);
   }
   return py::cast(std::move(flag));
 }
@@ -186,10 +194,10 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
 
 void bind_scale_accumulate(py::module_& m) {
   m.def("_scale_accumulate", &scale_accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("scale"),
-        py::arg("found_inf"), py::arg("run"),
+        py::arg("found_inf"), py::arg("run"), py::arg("sq_norm") = py::none(),
         "run=True: checks and runs a plain eager call and returns found_inf; else returns a fault "
         "(\"type\"|\"value\", message), or None where mbs_ext/ops.py has a share. run=False: the checks "
-        "alone, a fault or None.");
+        "alone, a fault or None. sq_norm: None, or the 0-dim tensor the call adds sum(g^2) to.");
 }
 
 }  // namespace mbs

@@ -14,8 +14,10 @@ struct Scale {
 };
 
 // Arguments that passed check_scale_accumulate_args (ops/arguments.h); `device` is the tensors'.
+// sq_norm: null, or a 0-dim float32/float64 tensor to which the kernel adds the sum of the
+// squares of every grad element (in the same pass over the grads).
 using Kernel = void (*)(at::TensorList accumulators, at::TensorList grads, const Scale& scale,
-                        const at::Tensor& found_inf, c10::Device device);
+                        const at::Tensor& found_inf, const at::Tensor* sq_norm, c10::Device device);
 
 // Called once per device type, at static initialization; returns true for use as an initializer.
 bool register_kernel(c10::DeviceType type, Kernel kernel);

@@ -29,8 +29,10 @@ Kernel kernel_for(c10::DeviceType type) {
 
 }  // namespace mbs
 
+// sq_norm, optional and last (calls without it are the calls of before): a 0-dim float32 or
+// float64 tensor the op adds sum(g^2) over every grad element to, read in the same pass.
 TORCH_LIBRARY(mbs_ext, m) {
   m.def(
       "scale_accumulate_(Tensor(a!)[] accumulators, Tensor[] grads, Tensor scale, "
-      "Tensor(b!) found_inf) -> ()");
+      "Tensor(b!) found_inf, Tensor(c!)? sq_norm=None) -> ()");
 }

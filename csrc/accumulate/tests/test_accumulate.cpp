@@ -136,6 +136,130 @@ static void test_float32_kernel_matches_the_portable_loop() {
   }
 }
 
+// Random values of dtype D (as its storage) and their exact float64 values.
+template <DType D> typename Storage<D>::type make_random(std::mt19937& rng, double& exact) {
+  std::normal_distribution<double> dist(0.0, 3.0);
+  const double v = dist(rng);
+  if constexpr (D == DType::f64) {
+    exact = v;
+    return v;
+  } else if constexpr (D == DType::f32) {
+    exact = static_cast<float>(v);
+    return static_cast<float>(v);
+  } else if constexpr (D == DType::bf16) {
+    const uint16_t h = f32_to_bf16(static_cast<float>(v));
+    exact = bf16_to_f32(h);
+    return h;
+  } else {
+    const uint16_t h = f32_to_f16(static_cast<float>(v));
+    exact = f16_to_f32(h);
+    return h;
+  }
+}
+
+// The span with the sum of squares makes the very updates and flag of the span without it (the
+// kernel picked at run time and the portable one), and its sum matches a float64 reference,
+// for lengths around its 8-lane groups and 256-element tiles, with and without a poisoned grad.
+template <DType A, DType G> void test_squares_span_pair() {
+  std::mt19937 rng(static_cast<unsigned>(17 + 4 * static_cast<int>(A) + static_cast<int>(G)));
+  const SquaresSpanFn picked = squares_span_kernel(A, G);
+  const SpanFn plain = span_kernel(A, G);
+  for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 255, 256, 257, 511, 1000, 4099}) {
+    for (const int poison : {-1, 0, 1}) {
+      std::vector<typename Storage<A>::type> acc(static_cast<size_t>(n));
+      std::vector<typename Storage<G>::type> grad(static_cast<size_t>(n));
+      double reference = 0.0;
+      double ignored = 0.0;
+      for (auto& a : acc) a = make_random<A>(rng, ignored);
+      for (auto& g : grad) {
+        double exact = 0.0;
+        g = make_random<G>(rng, exact);
+        reference += exact * exact;
+      }
+      if (poison >= 0 && n > 0) {
+        double exact = 0.0;
+        const size_t at = static_cast<size_t>(rng() % static_cast<uint64_t>(n));
+        if constexpr (G == DType::f32 || G == DType::f64) {
+          grad[at] = poison == 0 ? std::numeric_limits<typename Storage<G>::type>::infinity()
+                                 : std::numeric_limits<typename Storage<G>::type>::quiet_NaN();
+        } else {
+          grad[at] = G == DType::bf16 ? f32_to_bf16(poison == 0 ? INFINITY : NAN) : f32_to_f16(poison == 0 ? INFINITY : NAN);
+        }
+        (void)exact;
+      }
+      auto want = acc;
+      auto portable = acc;
+      const bool want_bad = plain(want.data(), grad.data(), n, 0.375);
+      double squares = 1.5;  // added to, not overwritten
+      const bool bad = picked(acc.data(), grad.data(), n, 0.375, squares);
+      double portable_squares = 1.5;
+      const bool portable_bad =
+          accumulate_span_squares_default<A, G>(portable.data(), grad.data(), n, 0.375, portable_squares);
+      MBS_CHECK(bad == want_bad && portable_bad == want_bad && want_bad == (poison >= 0 && n > 0));
+      MBS_CHECK(n == 0 || std::memcmp(acc.data(), want.data(), acc.size() * sizeof(acc[0])) == 0);
+      MBS_CHECK(n == 0 || std::memcmp(portable.data(), want.data(), acc.size() * sizeof(acc[0])) == 0);
+      if (want_bad) {
+        MBS_CHECK(!std::isfinite(squares) && !std::isfinite(portable_squares));
+        MBS_CHECK(poison != 1 || (std::isnan(squares) && std::isnan(portable_squares)));
+      } else {
+        MBS_CHECK(std::fabs((squares - 1.5) - reference) <= 1e-13 * reference);
+        MBS_CHECK(std::fabs((portable_squares - 1.5) - reference) <= 1e-13 * reference);
+      }
+    }
+  }
+}
+
+static void test_squares_span_every_pair() {
+  const DType all[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+  for (const DType a : all) {
+    for (const DType g : all) {
+      dispatch_pair(a, g, [](auto ta, auto tg) { test_squares_span_pair<ta.value, tg.value>(); });
+    }
+  }
+}
+
+// FlatPairs with the sum: every element updated once and the sum over all pairs matches the
+// reference however the range is split; one split run twice on the same data gives the same
+// sum bit for bit (a fixed order of additions), and empty pairs add nothing.
+static void test_flat_squares() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist;
+  std::vector<std::vector<float>> accs, grads;
+  double reference = 0.0;
+  for (int t = 0; t < 40; ++t) {
+    const int64_t n = (t % 6 == 0) ? 0 : static_cast<int64_t>(rng() % 3000);
+    accs.emplace_back(n, 0.0f);
+    grads.emplace_back(n);
+    for (auto& g : grads.back()) {
+      g = dist(rng);
+      reference += static_cast<double>(g) * g;
+    }
+  }
+  std::vector<Pair> pairs;
+  for (size_t t = 0; t < accs.size(); ++t)
+    pairs.push_back({accs[t].data(), grads[t].data(), static_cast<int64_t>(accs[t].size()), DType::f32,
+                     DType::f32});
+  const FlatPairs flat(pairs);
+  const auto split_sum = [&](int64_t step) {
+    double total = 0.0;
+    for (int64_t b = 0; b < flat.total(); b += step) {
+      double part = 0.0;
+      MBS_CHECK(!flat.run(b, std::min(flat.total(), b + step), 1.0, part));
+      total += part;
+    }
+    return total;
+  };
+  const double a = split_sum(1000);
+  const double b = split_sum(1000);
+  const double c = split_sum(97);
+  MBS_CHECK(std::memcmp(&a, &b, sizeof a) == 0);
+  MBS_CHECK(std::fabs(a - reference) <= 1e-13 * reference && std::fabs(c - reference) <= 1e-13 * reference);
+  for (size_t t = 0; t < accs.size(); ++t)
+    for (size_t k = 0; k < accs[t].size(); ++k) MBS_CHECK(accs[t][k] == 3.0f * grads[t][k]);  // three passes of 1.0
+  double nothing = 0.25;
+  MBS_CHECK(!flat.run(5, 5, 1.0, nothing) && nothing == 0.25);
+}
+
 // dispatch_pair reaches each of the 16 (accumulator, grad) combinations with its own
 // compile-time types, and refuses a value outside the enum.
 static void test_dispatch_pair() {
@@ -145,6 +269,7 @@ static void test_dispatch_pair() {
       const auto got = dispatch_pair(a, g, [](auto ta, auto tg) { return std::make_pair(ta.value, tg.value); });
       MBS_CHECK(got.first == a && got.second == g);
       MBS_CHECK(span_kernel(a, g) != nullptr);
+      MBS_CHECK(squares_span_kernel(a, g) != nullptr);
     }
   }
   MBS_CHECK_THROWS(std::invalid_argument, dispatch_dtype(static_cast<DType>(7), [](auto) { return 0; }));
@@ -158,6 +283,8 @@ int main() {
   test_float32_kernel_matches_the_portable_loop();
   test_nonfinite_flag();
   test_flat_split_covers_everything();
+  test_squares_span_every_pair();
+  test_flat_squares();
   std::puts("test_accumulate: ok");
   return 0;
 }

@@ -56,11 +56,12 @@ namespace {
 // The device's PairListMeta: 4 KB of kernel arguments (CUDA < 13), and 32 KB.
 using SmallMeta = TensorListMeta<2, 168>;
 using LargeMeta = TensorListMeta<2, 1344>;
-static_assert(sizeof(SmallMeta) + sizeof(ScaleAccumulateBlock<double, double>) <= 4096 &&
-                  sizeof(LargeMeta) + sizeof(ScaleAccumulateBlock<double, double>) <= 32764,
+static_assert(sizeof(SmallMeta) + sizeof(ScaleAccumulateBlock<double, double, true>) <= 4096 &&
+                  sizeof(LargeMeta) + sizeof(ScaleAccumulateBlock<double, double, true>) <= 32764,
               "metadata over the argument limit");
 
-// What the kernel does for one launch, one block and one thread at a time.
+// What the kernel does for one launch, one block and one thread at a time: the block ORs
+// its threads' flags and (kSumSquares) adds their sums in float64, reported once per block.
 template <typename Meta, typename Op>
 void emulate_launch(const Meta& meta, uint32_t blocks, const Op& op) {
   MBS_CHECK(meta.slots >= 1 && meta.slots <= Meta::kMaxSlots);
@@ -68,9 +69,13 @@ void emulate_launch(const Meta& meta, uint32_t blocks, const Op& op) {
   for (uint32_t block = 0; block < blocks; ++block) {
     const int slot = meta.slot_of(block);
     bool flagged = false;
+    double block_sum = 0.0;
     for (int thread = 0; thread < Op::kThreads; ++thread) {
-      flagged |= op(meta, slot, meta.chunk_in_slot(slot, block), thread);
+      typename Op::Sum sum{};
+      flagged |= op(meta, slot, meta.chunk_in_slot(slot, block), thread, sum);
+      if constexpr (Op::kSumSquares) block_sum += static_cast<double>(sum.value);
     }
+    if constexpr (Op::kSumSquares) op.report_squares(block_sum);
     if (flagged) op.report_non_finite();
   }
 }
@@ -206,11 +211,39 @@ void check_case(const Case& c, const std::vector<Buffer<A>>& accs, const std::ve
   }
 }
 
+// Where the emulated kernel puts the sum of squares: nowhere (the kernel without it), a
+// float64 or a float32.
+enum class Squares { none, f64, f32 };
+
+// The sum of squares the kernel added to 0.5 against the float64 reference: untouched without
+// it; non-finite exactly when the reference is; else within the float roundings of the
+// threads' partial sums (at most 18 terms each, relative 2^-24 per term) and, for a float32
+// output, one float rounding per block.
+template <Squares Q> void check_squares(double reference, double sq_f64, float sq_f32) {
+  if constexpr (Q == Squares::none) {
+    MBS_CHECK(sq_f64 == 0.5 && sq_f32 == 0.5f);
+  } else {
+    const double got = Q == Squares::f64 ? sq_f64 - 0.5 : static_cast<double>(sq_f32) - 0.5;
+    MBS_CHECK((Q == Squares::f64 ? sq_f32 == 0.5f : sq_f64 == 0.5));  // only the one asked for
+    if (!std::isfinite(reference)) {
+      MBS_CHECK(!std::isfinite(got));
+      return;
+    }
+    const double tolerance = (Q == Squares::f64 ? 2e-6 : 1e-4) * reference;
+    if (!(std::fabs(got - reference) <= tolerance)) {
+      std::fprintf(stderr, "sum of squares %.17g, reference %.17g\n", got, reference);
+      MBS_CHECK(false);
+    }
+  }
+}
+
 // Runs `c` through the emulated kernel and checks every element against the
-// reference, the flag, the guard bytes and that grads are left alone. Returns the
-// number of launches.
-template <typename A, typename G, typename Meta = SmallMeta> int run_case(const Case& c, std::mt19937_64& rng) {
-  using Op = ScaleAccumulateBlock<A, G>;
+// reference, the flag, the guard bytes and that grads are left alone; with a sum of
+// squares asked for, the same updates bit for bit and the sum against a float64
+// reference. Returns the number of launches.
+template <typename A, typename G, typename Meta = SmallMeta, Squares Q = Squares::none>
+int run_case(const Case& c, std::mt19937_64& rng) {
+  using Op = ScaleAccumulateBlock<A, G, Q != Squares::none>;
   const size_t count = c.numels.size();
   std::vector<Buffer<A>> accs;
   std::vector<Buffer<G>> grads;
@@ -232,6 +265,18 @@ template <typename A, typename G, typename Meta = SmallMeta> int run_case(const 
   op.scale_value = static_cast<typename Op::C>(c.scale);
   op.scale_is_double = c.scale_kind == ScaleKind::double_ptr;
   op.found_inf = &found_inf;
+  // Starts non-zero: the op adds to what is there.
+  double sq_f64 = 0.5;
+  float sq_f32 = 0.5f;
+  op.sq_norm = Q == Squares::f32 ? static_cast<void*>(&sq_f32) : static_cast<void*>(&sq_f64);
+  op.sq_norm_is_double = Q == Squares::f64;
+  double expected_squares = 0.0;  // independent: every grad widened to float64, squared, summed in order
+  for (size_t i = 0; i < count; ++i) {
+    for (int64_t k = 0; k < c.numels[i]; ++k) {
+      const double g = ref_to_d(grads[i].data()[k]);
+      expected_squares += g * g;
+    }
+  }
 
   std::vector<std::array<void*, 2>> addresses;
   for (size_t i = 0; i < count; ++i) addresses.push_back({accs[i].data(), grads[i].data()});
@@ -245,6 +290,7 @@ template <typename A, typename G, typename Meta = SmallMeta> int run_case(const 
       c.max_piece);
   check_case(c, accs, grads, expected);
   MBS_CHECK(found_inf == (expect_bad ? 1.0f : 0.0f));
+  check_squares<Q>(expected_squares, sq_f64, sq_f32);
   return launches;
 }
 
@@ -273,8 +319,57 @@ template <typename A, typename G> void test_pair(std::mt19937_64& rng) {
     // Cut tensors into pieces of a few chunks (not a whole number of chunks, nor of
     // vectors after an unaligned head) so the piece logic runs on small data.
     if (round % 6 == 2) c.max_piece = 4096 * 2 + 16;
-    run_case<A, G>(c, rng);
+    // The kernel without the sum, and with it into either output dtype (same updates).
+    switch (round % 3) {
+      case 0: run_case<A, G>(c, rng); break;
+      case 1: run_case<A, G, SmallMeta, Squares::f64>(c, rng); break;
+      default: run_case<A, G, SmallMeta, Squares::f32>(c, rng); break;
+    }
   }
+}
+
+// The sum of squares over tensors that are all empty is nothing (0 added), in one or no
+// launch; grads at the dtype's extremes square without overflow where float64 holds them.
+template <typename A, typename G> void test_squares_edges(std::mt19937_64& rng) {
+  Case empty;
+  empty.numels = {0, 0, 0};
+  empty.acc_offsets = {0, 1, 0};
+  empty.grad_offsets = {1, 0, 0};
+  MBS_CHECK((run_case<A, G, SmallMeta, Squares::f64>(empty, rng)) == 0);
+  Case one;
+  one.numels = {1, 4099};
+  one.acc_offsets = {0, 1};
+  one.grad_offsets = {1, 0};
+  run_case<A, G, SmallMeta, Squares::f64>(one, rng);
+}
+
+// A float64 grad into a float32 accumulator is squared as read, in float64, not as rounded
+// to the accumulator's float: 1e100 (inf in float, so flagged) squares to 1e200; 1e200
+// squares to inf in float64 too.
+void test_squares_of_a_large_float64_grad() {
+  std::vector<double> grad = {1e200, 2.0};
+  std::vector<float> acc = {0.0f, 0.0f};
+  using Op = ScaleAccumulateBlock<float, double, true>;
+  float found_inf = 0.0f;
+  double sq = 0.0;
+  Op op{};
+  op.scale_value = 1.0f;
+  op.found_inf = &found_inf;
+  op.sq_norm = &sq;
+  op.sq_norm_is_double = true;
+  std::vector<std::array<void*, 2>> addresses = {{acc.data(), grad.data()}};
+  for_each_launch<SmallMeta>(addresses, {2}, {4, 8}, Op::kChunk,
+                             [&](const SmallMeta& meta, uint32_t blocks) { emulate_launch(meta, blocks, op); });
+  MBS_CHECK(found_inf == 1.0f);  // inf as float: flagged
+  MBS_CHECK(std::isinf(sq));     // (1e200)^2 overflows float64 too
+  std::vector<double> small = {1e100, 2.0};
+  sq = 0.0;
+  found_inf = 0.0f;
+  acc = {0.0f, 0.0f};
+  addresses = {{acc.data(), small.data()}};
+  for_each_launch<SmallMeta>(addresses, {2}, {4, 8}, Op::kChunk,
+                             [&](const SmallMeta& meta, uint32_t blocks) { emulate_launch(meta, blocks, op); });
+  MBS_CHECK(sq == 1e200 && found_inf == 1.0f);  // squared in float64, flagged as float
 }
 
 void test_all_pairs(std::mt19937_64& rng) {
@@ -294,6 +389,10 @@ void test_all_pairs(std::mt19937_64& rng) {
   test_pair<F16, double>(rng);
   test_pair<F16, Bf16>(rng);
   test_pair<F16, F16>(rng);
+  test_squares_edges<float, float>(rng);
+  test_squares_edges<double, Bf16>(rng);
+  test_squares_edges<F16, double>(rng);
+  test_squares_edges<Bf16, F16>(rng);
 }
 
 // More tensors than one launch holds: the list continues in further launches, and
@@ -307,7 +406,7 @@ template <typename Meta> void test_many_tensors(std::mt19937_64& rng, int count)
   }
   const int64_t empty = std::count(c.numels.begin(), c.numels.end(), int64_t{0});
   const int64_t slots = static_cast<int64_t>(c.numels.size()) - empty;
-  const int launches = run_case<float, Bf16, Meta>(c, rng);
+  const int launches = run_case<float, Bf16, Meta, Squares::f64>(c, rng);
   MBS_CHECK(launches == (slots + Meta::kMaxSlots - 1) / Meta::kMaxSlots);
 }
 
@@ -372,6 +471,7 @@ void test_pieces(std::mt19937_64& rng) {
   c.max_piece = 4096 + 16;
   c.bad_tensor = 150;
   run_case<float, float>(c, rng);
+  run_case<float, float, SmallMeta, Squares::f32>(c, rng);
 }
 
 // The binary search agrees with a linear scan for every block of random plans.
@@ -434,6 +534,7 @@ int main() {
   test_full_launch<LargeMeta>(rng);
   test_plan_at_full_piece_size();
   test_pieces(rng);
+  test_squares_of_a_large_float64_grad();
   std::puts("test_multi_tensor: ok");
   return 0;
 }

@@ -3,7 +3,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <optional>
 #include <vector>
 
 #include "accumulate/accumulate.h"
@@ -20,14 +22,31 @@ namespace {
 // thread, as torch._foreach_add_ does with small tensors.
 constexpr int64_t kGrain = 1 << 18;
 
+// With sq_norm, the flat range is cut into fixed blocks of this many elements, each summing
+// its squares on its own, and the blocks' sums are added in block order on the caller's
+// thread: the sum does not depend on how many threads ran or which took which block, so a
+// call gives the same sum every time. Threads still take kGrain elements at least.
+constexpr int64_t kSquaresBlock = 1 << 16;
+static_assert(kGrain % kSquaresBlock == 0, "a thread's grain is whole blocks");
+
 double read_scale(const Scale& scale) {
   if (scale.tensor == nullptr) return scale.value;
   const at::Tensor& t = *scale.tensor;  // a CPU tensor here: no device sync
   return t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>() : *t.const_data_ptr<float>();
 }
 
+// *sq_norm += squares, rounded once into its dtype.
+void add_squares(const at::Tensor& sq_norm, double squares) {
+  if (sq_norm.scalar_type() == at::kDouble) {
+    *sq_norm.data_ptr<double>() += squares;
+  } else {
+    float* out = sq_norm.data_ptr<float>();
+    *out = static_cast<float>(static_cast<double>(*out) + squares);
+  }
+}
+
 void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& scale, const at::Tensor& found_inf,
-             c10::Device /*device*/) {
+             const at::Tensor* sq_norm, c10::Device /*device*/) {
   if (accumulators.empty()) return;
   const double s = read_scale(scale);
 
@@ -42,18 +61,39 @@ void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& sca
   }
   const accumulate::FlatPairs flat(std::move(pairs));
   std::atomic<bool> bad{false};
-  at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
-    if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);
-  });
+  if (sq_norm == nullptr) {
+    at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
+      if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);
+    });
+  } else {
+    const int64_t total = flat.total();
+    const int64_t blocks = (total + kSquaresBlock - 1) / kSquaresBlock;
+    std::vector<double> block_sums(static_cast<size_t>(blocks), 0.0);
+    at::parallel_for(0, blocks, kGrain / kSquaresBlock, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        double squares = 0.0;
+        const int64_t begin = b * kSquaresBlock;
+        if (flat.run(begin, std::min(begin + kSquaresBlock, total), s, squares)) {
+          bad.store(true, std::memory_order_relaxed);
+        }
+        block_sums[static_cast<size_t>(b)] = squares;
+      }
+    });
+    double squares = 0.0;
+    for (const double block_sum : block_sums) squares += block_sum;
+    add_squares(*sq_norm, squares);
+  }
   dense.write_back();
   if (bad.load()) found_inf.fill_(1.0);
 }
 
 void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
-                          const at::Tensor& found_inf) {
+                          const at::Tensor& found_inf, const std::optional<at::Tensor>& sq_norm) {
   // Every check runs before the first element is read or written.
-  const c10::Device device = check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CPU);
-  run_cpu(accumulators, grads, Scale{&scale, 0.0}, found_inf, device);
+  const at::Tensor* sq = sq_norm.has_value() ? &*sq_norm : nullptr;
+  const c10::Device device =
+      check_scale_accumulate_args(accumulators, grads, scale, found_inf, sq, c10::DeviceType::CPU);
+  run_cpu(accumulators, grads, Scale{&scale, 0.0}, found_inf, sq, device);
 }
 
 [[maybe_unused]] const bool registered = register_kernel(c10::DeviceType::CPU, &run_cpu);

@@ -1,8 +1,8 @@
 // CUDA kernel of mbs_ext::scale_accumulate_: acc[i] += scale * grad[i] over many
 // tensors per launch (multi_tensor.cuh), one launch set per (accumulator dtype, grad
-// dtype) pair present. Metadata travels as kernel arguments, scale and found_inf stay
-// on the device: no host synchronization, no host staging memory, capturable in a
-// CUDA graph. Runs on the current stream. The per-thread work is
+// dtype) pair present. Metadata travels as kernel arguments, scale, found_inf and sq_norm
+// stay on the device: no host synchronization, no host staging memory, capturable in a
+// CUDA graph (sq_norm is one atomic add per block). Runs on the current stream. The per-thread work is
 // accumulate/scale_accumulate_block.h, shared with its host emulation test.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "accumulate/scale_accumulate_block.h"
@@ -63,10 +64,15 @@ struct ScaleArg {
   bool is_double;
 };
 
-template <typename DA, typename DG>
-void launch_group(const DensePairs& dense, const std::vector<size_t>& members, const ScaleArg& scale,
-                  float* found_inf, cudaStream_t stream) {
-  using Op = accumulate::ScaleAccumulateBlock<DA, DG>;
+// Where the sum of squares goes: null (not asked for), or a float/double on the device.
+struct SquaresArg {
+  void* ptr;
+  bool is_double;
+};
+
+template <typename Op>
+void launch_op(const DensePairs& dense, const std::vector<size_t>& members, const ScaleArg& scale, float* found_inf,
+               const SquaresArg& squares, cudaStream_t stream) {
   std::vector<std::array<void*, 2>> addresses;
   std::vector<int64_t> numels;
   addresses.reserve(members.size());
@@ -79,12 +85,28 @@ void launch_group(const DensePairs& dense, const std::vector<size_t>& members, c
   op.scale_ptr = scale.ptr;
   op.scale_value = static_cast<typename Op::C>(scale.value);
   op.found_inf = found_inf;
+  op.sq_norm = squares.ptr;
   op.scale_is_double = scale.is_double;
-  cuda::multi_tensor_apply<PairListMeta>(addresses, numels, {int64_t{sizeof(DA)}, int64_t{sizeof(DG)}}, op, stream);
+  op.sq_norm_is_double = squares.is_double;
+  using A = typename Op::Acc;
+  using G = typename Op::Grad;
+  cuda::multi_tensor_apply<PairListMeta>(addresses, numels, {int64_t{sizeof(A)}, int64_t{sizeof(G)}}, op, stream);
+}
+
+// One launch set for the pairs of one (accumulator, grad) dtype pair: the kernel that sums
+// squares only when asked, so a call without sq_norm runs the kernel it ran before.
+template <typename DA, typename DG>
+void launch_group(const DensePairs& dense, const std::vector<size_t>& members, const ScaleArg& scale,
+                  float* found_inf, const SquaresArg& squares, cudaStream_t stream) {
+  if (squares.ptr == nullptr) {
+    launch_op<accumulate::ScaleAccumulateBlock<DA, DG>>(dense, members, scale, found_inf, squares, stream);
+  } else {
+    launch_op<accumulate::ScaleAccumulateBlock<DA, DG, true>>(dense, members, scale, found_inf, squares, stream);
+  }
 }
 
 void run_cuda(at::TensorList accumulators, at::TensorList grads, const Scale& scale, const at::Tensor& found_inf,
-              c10::Device device) {
+              const at::Tensor* sq_norm, c10::Device device) {
   if (accumulators.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -100,6 +122,8 @@ void run_cuda(at::TensorList accumulators, at::TensorList grads, const Scale& sc
     }
   }
   float* found_inf_ptr = found_inf.data_ptr<float>();
+  const SquaresArg squares{sq_norm != nullptr ? sq_norm->data_ptr() : nullptr,
+                           sq_norm != nullptr && sq_norm->scalar_type() == at::kDouble};
 
   DensePairs dense(accumulators, grads);
   constexpr int kTypes = accumulate::kNumDTypes;
@@ -116,7 +140,7 @@ void run_cuda(at::TensorList accumulators, at::TensorList grads, const Scale& sc
       accumulate::dispatch_pair(static_cast<DType>(a), static_cast<DType>(g), [&](auto acc_type, auto grad_type) {
         using DA = typename DeviceType<decltype(acc_type)::value>::type;
         using DG = typename DeviceType<decltype(grad_type)::value>::type;
-        launch_group<DA, DG>(dense, members, scale_arg, found_inf_ptr, stream);
+        launch_group<DA, DG>(dense, members, scale_arg, found_inf_ptr, squares, stream);
       });
     }
   }
@@ -124,12 +148,13 @@ void run_cuda(at::TensorList accumulators, at::TensorList grads, const Scale& sc
 }
 
 void scale_accumulate_cuda(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
-                           const at::Tensor& found_inf) {
+                           const at::Tensor& found_inf, const std::optional<at::Tensor>& sq_norm) {
   // All checks (including that every tensor is a CUDA tensor on one device) run
   // before any pointer is taken.
+  const at::Tensor* sq = sq_norm.has_value() ? &*sq_norm : nullptr;
   const c10::Device device =
-      check_scale_accumulate_args(accumulators, grads, scale, found_inf, c10::DeviceType::CUDA);
-  run_cuda(accumulators, grads, Scale{&scale, 0.0}, found_inf, device);
+      check_scale_accumulate_args(accumulators, grads, scale, found_inf, sq, c10::DeviceType::CUDA);
+  run_cuda(accumulators, grads, Scale{&scale, 0.0}, found_inf, sq, device);
 }
 
 [[maybe_unused]] const bool registered = register_kernel(c10::DeviceType::CUDA, &run_cuda);
