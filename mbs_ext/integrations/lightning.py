@@ -198,8 +198,11 @@ class _StreamingMixin:
             p.grad = None
         step.replay_logs()
         noise = self.last_result.noise
-        if noise is not None and noise.b_simple is not None:  # with noise_scale (docs/noise-scale.md)
-            lm.log("b_simple", noise.b_simple, on_step=True, prog_bar=True)
+        if noise is not None and noise.trace is not None:  # with noise_scale (docs/noise-scale.md)
+            lm.log("noise_trace", noise.trace, on_step=True)
+            lm.log("noise_grad_sq", noise.grad_sq, on_step=True)
+            if noise.b_simple is not None:  # once the moving averages give one
+                lm.log("b_simple", noise.b_simple, on_step=True, prog_bar=True)
         return step.output()
 
     def _streamer(self) -> MicroBatchStreamer:

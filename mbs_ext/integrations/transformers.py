@@ -248,10 +248,14 @@ class StreamingTrainer(Trainer):
 
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's log, with the gradient noise scale beside the training loss."""
+        """The Trainer's log, with the gradient noise beside the training loss: the latest step's
+        ``noise_trace`` (S) and ``noise_grad_sq`` (|G|^2), and ``b_simple`` (with
+        ``b_simple_stderr``) once the run's moving averages give one."""
         noise = self.last_stream_result.noise if self.last_stream_result is not None else None
-        if noise is not None and "loss" in logs and noise.b_simple is not None:
-            logs = {**logs, "b_simple": noise.b_simple}
+        if noise is not None and "loss" in logs and noise.trace is not None:
+            logs = {**logs, "noise_trace": noise.trace, "noise_grad_sq": noise.grad_sq}
+            if noise.b_simple is not None:
+                logs["b_simple"] = noise.b_simple
             if noise.b_simple_stderr is not None:
                 logs["b_simple_stderr"] = noise.b_simple_stderr
         super().log(logs, *args, **kwargs)
