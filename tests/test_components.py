@@ -455,11 +455,13 @@ class TestOneProcessWorld:
 
     def test_record_layout_is_the_same_for_success_and_failure(self):
         layout = record.Layout(world=2, rank=1, presence=3)
-        ok = layout.pack(total=4.0, loss_sum=2.0, invalid_counts=0.0, nonfinite=1.0, presence=[True, False, True])
+        ok = layout.pack(total=4.0, loss_sum=2.0, invalid_counts=0.0, nonfinite=1.0, noise_sq=5.0, micro_batches=3.0,
+                         presence=[True, False, True])
         failed = record.Layout(world=2, rank=0, presence=3).pack(failure=record.Failure(1, out_of_memory=True))
-        assert len(ok) == len(failed) == 4 + 3 + 2 * 2
+        assert len(ok) == len(failed) == 6 + 3 + 2 * 2
         summed = layout.read(record.all_reduce_sum([a + b for a, b in zip(ok, failed)], self.CPU, None))
-        assert [float(summed.head(n)) for n in record.Layout.HEAD] == [4.0, 2.0, 0.0, 1.0]
+        assert [float(summed.head(n)) for n in record.Layout.HEAD] == [4.0, 2.0, 0.0, 1.0, 5.0, 3.0]
+        assert [float(v) for v in summed.noise(0.0, 0)] == [5.0, 3.0]
         assert summed.presence().tolist() == [1.0, 0.0, 1.0]
         assert float(summed.failed()) == 1.0
         with pytest.raises(record.PeerFailed, match="rank 0 ran out of memory at micro-batch 1"):

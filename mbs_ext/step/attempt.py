@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mbs_ext.counts.noise import NoiseSample, NoiseScale
-from mbs_ext.counts.normalize import Normalizer, Rule, for_step
+from mbs_ext.counts.noise import Noise, NoiseSample, NoiseScale
+from mbs_ext.counts.normalize import Rule, for_step
 from mbs_ext.messages import add_note
 from mbs_ext.model.batchnorm import warn_split_statistics
 from mbs_ext.model.options import StepOptions
@@ -31,7 +31,6 @@ from mbs_ext.streaming.batch import BatchInfo
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import Rows, Tokens, split
 from mbs_ext.world import PeerFailed, Phase, World
-from mbs_ext.world.record import Record
 
 _KEPT = ("Look for what is kept from one micro-batch to the next: outputs or losses kept without .detach() (a "
          "list filled by the loss function, a hook or a logger), or tensors cached on the model.")
@@ -53,14 +52,12 @@ class Call:
     found: Any = None  # the model's walk (mbs_ext.model.members.Members): its buffers, for the rollback snapshot
 
 
-def noise_values(sink: Any, normalizer: Normalizer, record: Record, options: StepOptions) -> list:
-    """What the noise scale reads with the step's one host read: the micro-batches and items of
-    the global step, ``sum_j c_j |g_j|^2`` over every rank, ``|G_B|^2`` of the final sums, and
-    the loss scale both carry (squared out by the caller)."""
-    micro_sq, m = record.noise(sink.micro_sq(normalizer.denom), normalizer.num_mb)
-    scaler = options.scaler
-    scale = scaler._scale if scaler is not None and getattr(scaler, "_scale", None) is not None else 1.0
-    return [m, normalizer.total, micro_sq, sink.bufs.batch_sq, scale]
+def noise_of(read: tuple[float, ...], averages: NoiseScale | None) -> Noise:
+    """The step's :func:`noise_values` as read, its loss scale squared out, folded into ``averages``
+    (a fresh one for a single call of ``step`` or ``accumulate``)."""
+    m, items, micro_sq, batch_sq, scale = read
+    sample = NoiseSample(int(m), items, micro_sq / (scale * scale), batch_sq / (scale * scale))
+    return (averages or NoiseScale()).update(sample)
 
 
 class Attempt:
@@ -106,11 +103,10 @@ class Attempt:
             self.phase = Phase.COLLECTING
             record = world.collect(normalizer, sink)
             t_finish = time.perf_counter()
-            extra = noise_values(sink, normalizer, record, options) if world.noise else []
             if optimizer is not None:
-                done = finish(call.params, sink, normalizer, options, optimizer, guard, device, record, extra)
+                done = finish(call.params, sink, normalizer, options, optimizer, guard, device, record, world.noise)
             else:
-                done = finish_gradients(sink, normalizer, options, guard, device, record, extra)
+                done = finish_gradients(sink, normalizer, options, guard, device, record, world.noise)
         except BaseException as exc:
             guard.rollback(clear_grads=True)
             if sink is not None:
@@ -130,15 +126,11 @@ class Attempt:
         stats = self.cut.stats(ring)  # totals of this step's stream
         timings = {"stage_s": float(stats.get("stage_s", 0.0)), "wait_s": float(stats.get("wait_s", 0.0)),
                    "compute_s": self.fb.compute_s, "step_s": time.perf_counter() - t_finish}
-        noise = None
-        if done.extra:
-            m, items, micro_sq, batch_sq, scale = done.extra
-            sample = NoiseSample(int(m), items, micro_sq / (scale * scale), batch_sq / (scale * scale))
-            noise = (self.noise or NoiseScale()).update(sample)
         return StepResult(
             loss=done.loss, num_micro_batches=len(sizes), micro_batch_size=max(sizes), num_samples=call.info.rows,
             skipped=done.skipped, grad_norm=done.grad_norm, timings=timings,
-            micro_batch_tokens=options.micro_batch_tokens, noise=noise,
+            micro_batch_tokens=options.micro_batch_tokens,
+            noise=noise_of(done.extra, self.noise) if done.extra else None,
         )
 
     def share_failure(self, exc: Exception, params: list[nn.Parameter], device: torch.device,

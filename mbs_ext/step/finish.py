@@ -51,7 +51,7 @@ class StepResult:
 
 class Finished(NamedTuple):
     """What the finish decided: the mini-batch loss, whether the step was skipped, the norm, and
-    the ``extra`` values handed to it, read in the same host read."""
+    the gradient noise's sums as read (``extra``; empty without the noise scale)."""
 
     loss: float
     skipped: bool
@@ -68,9 +68,10 @@ def finish(
     guard: StepGuard,
     device: torch.device,
     record: Record,
-    extra: list = (),
+    noise: bool = False,
 ) -> Finished:
-    """Read, decide, and step (or roll back a skipped step); ``extra`` values ride the one read."""
+    """Read, decide, and step (or roll back a skipped step); with ``noise``, the gradient noise's
+    sums ride the one read (:func:`noise_values`)."""
     scaler = options.scaler
     if scaler is not None:
         if getattr(scaler, "_scale", None) is None:
@@ -89,7 +90,7 @@ def finish(
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
         found = torch.maximum(found, (~torch.isfinite(norm)).to(torch.float32).to(device))
     values = [found, record.failed(), 0.0 if norm is None else norm.detach(), *normalizer.device_values()]
-    read = _read([*values, *extra], device)
+    read = _read([*values, *(noise_values(sink, normalizer, record, options) if noise else ())], device)
     read, more = read[: len(values)], tuple(read[len(values):])
     record.raise_if_failed(read[1])
     loss = normalizer.check(*read[3:])
@@ -109,7 +110,7 @@ def finish(
 
 
 def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, options: StepOptions,
-                     guard: StepGuard, device: torch.device, record: Record, extra: list = ()) -> Finished:
+                     guard: StepGuard, device: torch.device, record: Record, noise: bool = False) -> Finished:
     """The end of :func:`mbs_ext.accumulate`: the one host sync and the checks, the deferred
     statistics committed; the (possibly scaled) gradients stay in ``.grad`` for the caller's own
     optimizer step. A non-finite loss or gradient gets the step's policy (``on_nonfinite``): by
@@ -118,7 +119,7 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
     the caller's scaler's to handle."""
     found = sink.nonfinite(False) if options.scaler is None else 0.0
     values = [found, record.failed(), *normalizer.device_values()]
-    read = _read([*values, *extra], device)
+    read = _read([*values, *(noise_values(sink, normalizer, record, options) if noise else ())], device)
     read, more = read[: len(values)], tuple(read[len(values):])
     record.raise_if_failed(read[1])
     loss = normalizer.check(*read[2:])
@@ -137,6 +138,16 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
         return Finished(loss, True, None, more)
     guard.commit_statistics()
     return Finished(loss, False, None, more)
+
+
+def noise_values(sink: BufferSink, normalizer: Normalizer, record: Record, options: StepOptions) -> list:
+    """What the noise scale reads with the step's one host read: the micro-batches and items of
+    the global step, ``sum_j c_j |g_j|^2`` over every rank, ``|G_B|^2`` of the final sums, and
+    the loss scale both carry (squared out by the caller)."""
+    micro_sq, m = record.noise(sink.micro_sq(normalizer.denom), normalizer.num_mb)
+    scaler = options.scaler
+    scale = scaler._scale if scaler is not None and getattr(scaler, "_scale", None) is not None else 1.0
+    return [m, normalizer.total, micro_sq, sink.bufs.batch_sq, scale]
 
 
 def _read(values: list, device: torch.device) -> list[float]:
