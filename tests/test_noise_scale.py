@@ -195,3 +195,21 @@ def test_two_ranks_measure_one_global_step():
     for rank_trace, rank_grad_sq, micro_batches, items in got:
         assert (micro_batches, items) == (len(sizes), 23)
         assert math.isclose(rank_trace, trace, rel_tol=1e-10) and math.isclose(rank_grad_sq, grad_sq, rel_tol=1e-9)
+
+
+def test_clipping_and_token_counts_measure_the_unclipped_gradient_by_the_step_counts():
+    """Clipping acts after the measurement (|G_B|^2 is the step's unclipped gradient), and a count
+    given as ``normalize=`` (a callable, as a token count is) weighs the micro-batches as the
+    targets the loss does not ignore do."""
+    model, (x, y) = _model(), _batch(21, ignored=0.3)
+    loss = nn.CrossEntropyLoss()
+    frozen = copy.deepcopy(model)
+    clipped = mbs_ext.step(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), loss, micro_batch_size=6,
+                           max_grad_norm=1e-3, noise_scale=True).noise
+    counted = mbs_ext.accumulate(copy.deepcopy(frozen), (x, y), lambda mod, mb: loss(mod(mb[0]), mb[1]),
+                                 micro_batch_size=6, normalize=lambda mb: (mb[1] != -100).sum(), noise_scale=True).noise
+    valid = (y != -100).double()
+    per = torch.where(valid.bool()[:, None], _per_example(frozen, x, y.clamp(min=0)), 0.0)
+    trace, grad_sq = _expected(per, valid, split_sizes(21, 6))
+    for noise in (clipped, counted):
+        assert math.isclose(noise.trace, trace, rel_tol=1e-10) and math.isclose(noise.grad_sq, grad_sq, rel_tol=1e-9)
