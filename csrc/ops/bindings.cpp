@@ -114,11 +114,6 @@ py::object as_python(const Fault& fault) {
   return py::make_tuple(fault.kind == Fault::Kind::Type ? "type" : "value", fault.message);
 }
 
-// run=true: the public call. Returns found_inf (given or created) after running the kernel,
-// a fault, or None where Python has a share: sequences other than lists and tuples, scales
-// other than a finite float/int or a float32/float64 tensor, tensors that are not plain, and
-// calls the dispatcher must see. run=false: the checks alone (for calls Python dispatches, and
-// for the fake kernel): a fault or None. Requires grad counts where grad mode is on.
 // As every in-place op does through the dispatcher (its ADInplaceOrView kernel): what a call
 // writes gets a new version, so that autograd refuses a backward through a tensor it saved and
 // this call changed. Inference tensors have no version to bump.
@@ -128,6 +123,12 @@ void bump_versions(at::TensorList tensors) {
   }
 }
 
+// run=true: the public call. Returns found_inf (given or created) after running the kernel,
+// a fault, or None where Python has a share: sequences other than lists and tuples, scales
+// other than a finite float/int or a float32/float64 tensor, tensors that are not plain, and
+// calls the dispatcher must see. run=false: the checks alone (for calls Python dispatches, and
+// for the fake kernel): a fault or None. Requires grad counts where grad mode is on.
+// sq_norm: None, or the 0-dim tensor the kernel adds the grads' sum of squares to.
 py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handle scale, py::handle found_inf,
                             bool run, py::handle sq_norm) {
   const bool sequences = (PyList_Check(accumulators.ptr()) || PyTuple_Check(accumulators.ptr())) &&
