@@ -17,8 +17,10 @@ from mbs_ext.model.batchnorm import BatchNormWarning, convert_batchnorm, set_bat
 from mbs_ext.model.options import StepOptions
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.step.cached import CachedLoss, forward
+from mbs_ext.step.schedule import Autopilot, Ramp, Steps, scaled_lr
 from mbs_ext.step.streamable import check_streamable
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
+from mbs_ext.streaming.order import SampleOrder
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import TokenPlan, plan_tokens
 from mbs_ext.world import PeerFailed
@@ -38,6 +40,7 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "Autopilot",
     "BatchNormWarning",
     "CachedLoss",
     "CountWarning",
@@ -46,8 +49,11 @@ __all__ = [
     "Noise",
     "NoiseScale",
     "PeerFailed",
+    "Ramp",
+    "SampleOrder",
     "StepOptions",
     "StepResult",
+    "Steps",
     "StreamRing",
     "TokenPlan",
     "__version__",
@@ -60,6 +66,7 @@ __all__ = [
     "plan_micro_batch",
     "plan_tokens",
     "scale_accumulate_",
+    "scaled_lr",
     "set_batchnorm_across_ranks",
     "step",
 ]

@@ -1,0 +1,111 @@
+"""The mini-batch size of each step, on a clock of samples, and the learning rate that follows it.
+
+Streaming makes the batch size free: memory follows the micro-batch, and a step of any number of
+rows is exact. A schedule answers ``size(samples_seen, noise)`` before each step:
+
+* :class:`Steps` - a size per stretch of samples (``[(0, 256), (2_000_000, 512)]``);
+* :class:`Ramp` - from ``start`` to ``end`` linearly over ``over`` samples, in multiples of
+  ``multiple_of`` (a batch-size warm-up as Megatron's ``--rampup-batch-size``, counted in samples);
+* :class:`Autopilot` - follows the step's own gradient noise scale (``noise_scale=True``,
+  docs/noise-scale.md): ``B <- clip(k * B_simple, B_min, B_max)``, never down, and up only where
+  the target passes the current size by ``hysteresis`` (the estimate is noisy).
+
+:func:`scaled_lr` couples the learning rate to the size (``"linear"``, or ``"sqrt"`` for Adam).
+Every schedule is counted in samples (or tokens), never in steps, so a run resumed at another
+batch size or world size lands where it was (with :class:`mbs_ext.streaming.order.SampleOrder`);
+the only schedule with a state, :class:`Autopilot`, has ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Steps:
+    """A size per stretch of samples: ``milestones`` are ``(from_samples, size)`` pairs, the first
+    from 0, in increasing order."""
+
+    milestones: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        got = tuple((int(s), _size("size", b)) for s, b in self.milestones)
+        if not got or got[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(got, got[1:])):
+            raise ValueError(f"milestones must start at 0 samples and increase, got {self.milestones!r}")
+        object.__setattr__(self, "milestones", got)
+
+    def size(self, samples_seen: int, noise: Any = None) -> int:
+        return next(b for s, b in reversed(self.milestones) if samples_seen >= s)
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """``start`` to ``end`` rows linearly over the first ``over`` samples, rounded down to a
+    multiple of ``multiple_of`` (never below ``start``), then ``end``."""
+
+    start: int
+    end: int
+    over: int
+    multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end", "over", "multiple_of"):
+            _size(name, getattr(self, name))
+
+    def size(self, samples_seen: int, noise: Any = None) -> int:
+        if samples_seen >= self.over:
+            return self.end
+        raw = self.start + (self.end - self.start) * samples_seen / self.over
+        return max(self.start, int(raw) // self.multiple_of * self.multiple_of)
+
+
+class Autopilot:
+    """``k * B_simple`` from the step's noise, clipped to ``[minimum, maximum]``, rounded down to a
+    multiple of ``multiple_of``; monotone (never shrinks) with hysteresis (grows only where the
+    target exceeds the current size by that fraction). Until a step's noise gives ``B_simple``,
+    the size stays ``minimum``."""
+
+    def __init__(self, minimum: int, maximum: int, k: float = 1.0, hysteresis: float = 0.25,
+                 multiple_of: int = 1) -> None:
+        self.minimum, self.maximum, self.multiple_of = (_size(n, v) for n, v in
+                                                        (("minimum", minimum), ("maximum", maximum),
+                                                         ("multiple_of", multiple_of)))
+        if self.maximum < self.minimum:
+            raise ValueError(f"maximum ({maximum}) must be >= minimum ({minimum})")
+        if not (k > 0 and math.isfinite(k)) or not hysteresis >= 0:
+            raise ValueError(f"k must be a positive number and hysteresis >= 0, got k={k!r}, hysteresis={hysteresis!r}")
+        self.k, self.hysteresis = float(k), float(hysteresis)
+        self.current = self.minimum
+
+    def size(self, samples_seen: int, noise: Any = None) -> int:
+        b_simple = getattr(noise, "b_simple", None)
+        if b_simple is not None and math.isfinite(b_simple):
+            target = min(self.maximum, max(self.minimum, self.k * b_simple))
+            target = max(self.minimum, int(target) // self.multiple_of * self.multiple_of)
+            if target > self.current * (1.0 + self.hysteresis) or (target == self.maximum > self.current):
+                self.current = target
+        return self.current
+
+    def state_dict(self) -> dict:
+        return {"current": self.current}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current = int(state["current"])
+
+
+def scaled_lr(base_lr: float, base_size: int, size: int, rule: str = "linear") -> float:
+    """The learning rate for a mini-batch of ``size`` rows, given ``base_lr`` at ``base_size``:
+    ``"linear"`` (SGD: proportional) or ``"sqrt"`` (Adam: with the square root of the ratio)."""
+    if rule == "linear":
+        return base_lr * size / base_size
+    if rule == "sqrt":
+        return base_lr * math.sqrt(size / base_size)
+    raise ValueError(f"rule must be 'linear' or 'sqrt', got {rule!r}")

@@ -1,0 +1,76 @@
+"""Which rows each mini-batch takes, counted in samples: a data order that resumes at any batch size.
+
+Under streaming the mini-batch size is free to change from step to step, so progress cannot be
+counted in batches or steps (a resumed run whose batch size changed would land elsewhere in its
+data). :class:`SampleOrder` counts samples: each epoch is a seeded permutation of the dataset's
+rows, and a mini-batch of any size takes the next rows of it (running on into the next epoch's
+permutation where it reaches the end, so every epoch's rows are each taken exactly once and no
+row is dropped). Its state - seed, epoch, samples into the epoch, samples and tokens seen - is a
+few numbers; the permutation of an epoch is made again from ``(seed, epoch)``. Across ranks the
+order is global: every rank draws the same mini-batch and takes its own share of it
+(:meth:`SampleOrder.next` with ``rank`` and ``world``), so a run resumes at any world size.
+The rows go to the step as ``indices=`` into a dataset held on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampleOrder:
+    """Mini-batches of rows of a ``rows``-row dataset, in seeded per-epoch permutations."""
+
+    def __init__(self, rows: int, seed: int = 0) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an int >= 1 (the dataset's rows), got {rows!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.rows, self.seed = rows, seed
+        self.epoch = 0
+        self.position = 0  # samples of this epoch already taken
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation), made when first needed
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order of the rows (int64, on the host), the same for every call and rank."""
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.rows, generator=g))
+        return self._perm[1]
+
+    def next(self, batch_size: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+        """The next mini-batch of ``batch_size`` rows of the global order, and this rank's share of
+        it (balanced contiguous parts, rank 0's first). Every rank calls it alike."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < world:
+            raise ValueError(f"batch_size must be an int >= the number of ranks ({world}), got {batch_size!r}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must lie in [0, {world}), got {rank}")
+        parts, left = [], batch_size
+        while left:
+            take = min(left, self.rows - self.position)
+            parts.append(self.permutation(self.epoch)[self.position:self.position + take])
+            self.position += take
+            left -= take
+            if self.position == self.rows:
+                self.epoch, self.position = self.epoch + 1, 0
+        self.samples_seen += batch_size
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        share, extra = divmod(batch_size, world)
+        start = rank * share + min(rank, extra)
+        return rows[start:start + share + (rank < extra)].clone()
+
+    def count_tokens(self, tokens: int) -> None:
+        """Add a step's tokens (every rank's) to the count a token-based schedule reads."""
+        self.tokens_seen += int(tokens)
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows, "seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rows"] != self.rows:
+            raise ValueError(f"load_state_dict: the state is of a {state['rows']}-row dataset, this order's has "
+                             f"{self.rows} rows")
+        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        self.samples_seen, self.tokens_seen = int(state["samples_seen"]), int(state["tokens_seen"])
