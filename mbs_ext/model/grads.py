@@ -41,10 +41,9 @@ def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]
                        buffered: bool = False) -> torch.dtype | None:
     """dtype of separate accumulation buffers, or None when autograd accumulates in ``.grad``.
     ``buffered``: buffers in any case (the noise scale reads each micro-batch's gradient on its
-    way into them), of the widest parameter dtype unless one is requested."""
+    way into them): float32, float64 where a parameter is, unless a dtype is requested."""
     if buffered:
-        return requested or max((p.dtype for p in params), key=lambda d: (d.is_floating_point, d.itemsize),
-                                default=torch.float32)
+        return requested or (torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32)
     if requested is None:
         return torch.float32 if any(p.dtype in LOW_PRECISION for p in params) else None
     return None if all(p.dtype == requested for p in params) else requested
