@@ -10,8 +10,9 @@ The hooks, in the order a step calls them:
 
 * before the pass: :meth:`pair` (whether BatchNorm layers take statistics across ranks),
   :meth:`check_options`, :meth:`buffer_dtype`, :meth:`start` (buffer
-  sync, then the gradient sink), :meth:`normalizer` (the count source, chosen once, and
-  the total where this world knows it ahead), :meth:`agree` (how many micro-batches run);
+  sync, then the gradient sink), :attr:`counts_ahead` and :attr:`alone` (what the one place
+  that chooses how to count, ``counts.normalize.for_step``, needs to know of the world),
+  :meth:`agree` (how many micro-batches run);
 * in the pass: :meth:`streaming`, :meth:`no_sync`, :meth:`micro_batch`, :meth:`weigh`,
   :attr:`runs_every_micro_batch`, :meth:`watch`, :meth:`zero_weight`, :meth:`catch_up`;
 * after it: :meth:`collect` (the step's one collective, then the gradient sums);
