@@ -83,6 +83,7 @@ def test_one_split_matches_the_per_example_gradients(m, ignored):
     assert math.isclose(float(got.square().sum()), noise.batch_sq, rel_tol=1e-12)
 
 
+@pytest.mark.slow  # 800 steps: a seeded statistical test
 @pytest.mark.parametrize("rows,m", [(24, 6), (23, 7)], ids=["equal", "unequal"])
 def test_mean_over_random_splits_is_the_sample_covariance_trace(rows, m):
     model = _model()
@@ -128,6 +129,7 @@ def test_the_step_measures_before_it_steps_and_the_averages_resume():
     assert (a.b_simple, a.b_simple_stderr, a.steps) == (c.b_simple, c.b_simple_stderr, c.steps)
 
 
+@pytest.mark.slow  # 600 steps
 def test_the_averages_stay_per_item_when_the_mini_batch_size_changes():
     """S and |G|^2 are per-item quantities: steps of 24 and of 48 rows at fixed weights estimate
     the same ones (their means over random splits agree within their standard errors)."""

@@ -79,6 +79,7 @@ def _resumed(blob: bytes, kind: str):
     return parts, schedule
 
 
+@pytest.mark.slow  # 102 interrupted runs
 @pytest.mark.parametrize("kind", ["ramp", "steps", "autopilot"])
 def test_interrupted_anywhere_and_resumed_it_ends_bit_identical(kind):
     """34 interruptions per schedule (102 in all), at seeded random steps of a 24-step run whose size
