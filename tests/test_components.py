@@ -461,7 +461,7 @@ class TestOneProcessWorld:
         assert len(ok) == len(failed) == 6 + 3 + 2 * 2
         summed = layout.read(record.all_reduce_sum([a + b for a, b in zip(ok, failed)], self.CPU, None))
         assert [float(summed.head(n)) for n in record.Layout.HEAD] == [4.0, 2.0, 0.0, 1.0, 5.0, 3.0]
-        assert [float(v) for v in summed.noise(0.0, 0)] == [5.0, 3.0]
+        assert [float(v) for v in summed.noise(0.0, 0.0)] == [5.0, 3.0]
         assert summed.presence().tolist() == [1.0, 0.0, 1.0]
         assert float(summed.failed()) == 1.0
         with pytest.raises(record.PeerFailed, match="rank 0 ran out of memory at micro-batch 1"):

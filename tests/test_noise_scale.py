@@ -53,13 +53,15 @@ def _per_example(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 
 
 def _expected(per: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> tuple[float, float]:
-    """S and |G|^2 of one split of rows (``sizes``, in order), items = the valid rows."""
+    """S and |G|^2 of one split of rows (``sizes``, in order), items = the valid rows; micro-batches
+    with no valid row take no part (over random splits the estimate is unbiased over the others)."""
     per = per * valid[:, None]
     groups = [(part.sum(0), int(v.sum())) for part, v in zip(per.split(sizes), valid.split(sizes))]
     items = sum(c for _, c in groups)
     g_b = per.sum(0) / items
     micro = sum((s / c).square().sum() * c for s, c in groups if c)
-    trace = (micro - items * g_b.square().sum()) / (len(sizes) - 1)
+    m = sum(1 for _, c in groups if c)  # a micro-batch of no items is not one of the split's groups
+    trace = (micro - items * g_b.square().sum()) / (m - 1)
     return float(trace), float(g_b.square().sum() - trace / items)
 
 
@@ -81,6 +83,19 @@ def test_one_split_matches_the_per_example_gradients(m, ignored):
     # The gradient the step left is the mini-batch's: G_B, whose squared norm the estimate used.
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert math.isclose(float(got.square().sum()), noise.batch_sq, rel_tol=1e-12)
+
+
+def test_a_micro_batch_with_no_items_takes_no_part():
+    """The first micro-batch's targets all ignored: it adds nothing to either sum and is not
+    counted in m (counted, it would halve S here)."""
+    model = _model()
+    x, y = _batch(12)
+    y[:4] = -100
+    valid = (y != -100).double()
+    per = torch.where(valid.bool()[:, None], _per_example(model, x, y.clamp(min=0)), 0.0)
+    noise = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=4, noise_scale=True).noise
+    trace, grad_sq = _expected(per, valid, [4, 4, 4])
+    assert noise.micro_batches == 2 and math.isclose(noise.trace, trace, rel_tol=1e-10)
 
 
 @pytest.mark.slow  # 800 steps: a seeded statistical test
@@ -169,6 +184,9 @@ def test_off_by_default_and_refused_where_it_has_no_meaning():
                            micro_batch_size=4, normalize="sum", noise_scale=True)
     with pytest.raises(TypeError, match="noise_scale must be a bool"):
         mbs_ext.StepOptions(micro_batch_size=4, noise_scale=1)
+    cached = mbs_ext.CachedLoss(lambda mod, mb: mod(mb[0]), lambda mod, enc: enc.square().mean())
+    with pytest.raises(ValueError, match="noise_scale does not apply to CachedLoss"):
+        mbs_ext.accumulate(model, batch, cached, micro_batch_size=4, noise_scale=True)
 
 
 def _ranked(rank: int, cuts: list[int], m: int) -> tuple[float, float, int, float]:

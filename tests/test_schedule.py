@@ -45,17 +45,17 @@ def _schedule(kind: str):
     return mbs_ext.Autopilot(minimum=8, maximum=64, k=0.5, hysteresis=0.1)
 
 
-def _train(parts, schedule, data, steps: int, noise=None, sizes: list | None = None):
-    """``steps`` scheduled steps; the learning rate follows the size (sqrt, Adam)."""
+def _train(parts, schedule, data, steps: int, sizes: list | None = None) -> None:
+    """``steps`` scheduled steps; the learning rate follows the size (sqrt, Adam). The autopilot
+    reads the streamer's moving averages of the noise (restored with the streamer's state)."""
     model, opt, streamer, order = parts
     for _ in range(steps):
-        size = schedule.size(order.samples_seen, noise)
+        size = schedule.size(order.samples_seen, streamer.noise)
         if sizes is not None:
             sizes.append(size)
         for group in opt.param_groups:
             group["lr"] = mbs_ext.scaled_lr(1e-2, 16, size, "sqrt")
-        noise = streamer.step(data, indices=order.next(size)).noise
-    return noise
+        streamer.step(data, indices=order.next(size))
 
 
 def _state(parts, schedule) -> bytes:
@@ -93,9 +93,9 @@ def test_interrupted_anywhere_and_resumed_it_ends_bit_identical(kind):
     for _ in range(34):
         at = rng.randrange(1, steps)
         first, sched = _parts(), _schedule(kind)
-        noise = _train(first, sched, data, at)
-        parts2, sched2 = _resumed(_state(first, sched), kind)
-        _train(parts2, sched2, data, steps - at, noise)
+        _train(first, sched, data, at)
+        parts2, sched2 = _resumed(_state(first, sched), kind)  # nothing else crosses the interruption
+        _train(parts2, sched2, data, steps - at)
         for p, q in zip(parts2[0].parameters(), want):
             assert torch.equal(p, q), (kind, at)
 
@@ -138,7 +138,7 @@ def test_every_epoch_is_taken_exactly_once_at_any_sizes_and_the_ranks_share_one_
 def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument():
     pilot = mbs_ext.Autopilot(minimum=16, maximum=256, k=2.0, hysteresis=0.25, multiple_of=8)
 
-    class N:
+    class N:  # what the autopilot reads: b_simple (a NoiseScale's, or a step's Noise)
         def __init__(self, b):
             self.b_simple = b
 
@@ -147,6 +147,7 @@ def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument(
     assert pilot.size(0, N(42.0)) == 80  # 84 -> 80: within the hysteresis, unchanged
     assert pilot.size(0, N(10.0)) == 80  # never down
     assert pilot.size(0, N(1e9)) == 256  # clipped to the maximum
+    assert mbs_ext.Autopilot(minimum=8, maximum=100, multiple_of=16).size(0, N(1e9)) == 96  # maximum rounded down
     with pytest.raises(ValueError, match="batch_size must be an int"):
         mbs_ext.SampleOrder(10).next(0)
     with pytest.raises(ValueError, match="milestones must start at 0"):

@@ -100,6 +100,11 @@ class NoiseScale:
         b_simple, stderr = self.ratio()
         return Noise(trace, grad_sq, b_simple, stderr, self.steps, **asdict(sample))
 
+    @property
+    def b_simple(self) -> float | None:
+        """``B_simple`` from the averages so far (what a schedule reads: :class:`mbs_ext.Autopilot`)."""
+        return self.ratio()[0]
+
     def ratio(self) -> tuple[float | None, float | None]:
         """``B_simple`` from the averages and its standard error (delta method)."""
         if not self.steps:

@@ -79,11 +79,19 @@ class GradBuffers:
         # added with), on the first device, and one float64 scratch per device for the op.
         self.scratch = [torch.zeros((), dtype=torch.float64, device=f.device) for f in self.flats] if noise else []
         self.micro_sq = torch.zeros_like(self.scratch[0]) if self.scratch else None
+        # With ``noise``: the micro-batches added with a weight other than 0 (a count of 0, or a
+        # padding micro-batch, adds nothing to either sum and must not count in ``m`` either).
+        self.micro_count = torch.zeros_like(self.scratch[0]) if self.scratch else None
         self.batch_sq: torch.Tensor | None = None  # with ``noise``: |sum|^2 of the final sums, set by finish()
 
     def add_(self, scale: float | torch.Tensor) -> None:
         """``buffer += scale * p.grad`` for every parameter with a grad, then drop the grad."""
         params = self.params
+        if self.micro_count is not None:
+            if isinstance(scale, torch.Tensor):
+                self.micro_count.add_((scale != 0).to(self.micro_count.device, torch.float64))
+            elif scale != 0:
+                self.micro_count.add_(1.0)
         for js, flag in zip(self.groups, self.found_inf):
             have = [j for j in js if params[j].grad is not None]
             if not have:
@@ -300,6 +308,10 @@ class BufferSink:
     def presence(self) -> list[bool]:
         """Which parameters got a gradient from this rank's micro-batches."""
         return list(self.bufs.got)
+
+    def micro_batches(self) -> float | torch.Tensor:
+        """This rank's micro-batches of a count other than 0, or 0.0 without the noise scale."""
+        return 0.0 if self.bufs.micro_count is None else self.bufs.micro_count
 
     def micro_sq(self, denom: float | torch.Tensor) -> float | torch.Tensor:
         """``sum_j c_j |grad_j|^2`` over this rank's micro-batches (``w_j = c_j / denom``: each

@@ -90,7 +90,8 @@ class StepCache:
         else:
             # Keyed on the caller's budget, not on a measured free-memory figure that
             # moves from step to step, so plans and back-off sizes stay remembered.
-            key = ("auto", info.signature, opts.memory_budget, opts.autocast_dtype)
+            # noise_scale: the step then accumulates in buffers, which the plan makes room for.
+            key = ("auto", info.signature, opts.memory_budget, opts.autocast_dtype, opts.noise_scale)
             plan = self.plans.get(key)
             # A plan is capped by the rows of the batch it was made for; a larger batch
             # with the same signature may afford a larger micro-batch, so re-plan then.
@@ -112,7 +113,7 @@ class StepCache:
         fit the budget planned before: its micro-batch of one row was never measured)."""
         if not isinstance(opts.micro_batch_tokens, str):
             return opts
-        key = ("auto", info.signature, opts.memory_budget, opts.autocast_dtype)
+        key = ("auto", info.signature, opts.memory_budget, opts.autocast_dtype, opts.noise_scale)
         budget = self.token_budgets.get(key)
         if budget is None or int(row_lengths(batch, info, opts.token_lengths)[0].max()) > budget:
             budget, _ = planner.plan_token_budget(

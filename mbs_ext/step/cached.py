@@ -227,6 +227,9 @@ def check_supported(world: World, options: Any) -> None:
                          "micro-batches of one width): pass micro_batch_size")
     if options.normalize is not None:
         raise ValueError("normalize does not apply to CachedLoss (its loss sees the whole mini-batch): leave it unset")
+    if options.noise_scale:
+        raise ValueError("noise_scale does not apply to CachedLoss (its loss couples the rows: per-row gradients "
+                         "are not defined for it): leave it off")
 
 
 def _shared(world: World, exc: BaseException, device: torch.device, step: Callable) -> None:

@@ -141,10 +141,10 @@ def finish_gradients(sink: AutogradSink | BufferSink, normalizer: Normalizer, op
 
 
 def noise_values(sink: BufferSink, normalizer: Normalizer, record: Record, options: StepOptions) -> list:
-    """What the noise scale reads with the step's one host read: the micro-batches and items of
-    the global step, ``sum_j c_j |g_j|^2`` over every rank, ``|G_B|^2`` of the final sums, and
-    the loss scale both carry (squared out by the caller)."""
-    micro_sq, m = record.noise(sink.micro_sq(normalizer.denom), normalizer.num_mb)
+    """What the noise scale reads with the step's one host read: the micro-batches (of a count
+    other than 0) and items of the global step, ``sum_j c_j |g_j|^2`` over every rank,
+    ``|G_B|^2`` of the final sums, and the loss scale both carry (squared out by the caller)."""
+    micro_sq, m = record.noise(sink.micro_sq(normalizer.denom), sink.micro_batches())
     scaler = options.scaler
     scale = scaler._scale if scaler is not None and getattr(scaler, "_scale", None) is not None else 1.0
     return [m, normalizer.total, micro_sq, sink.bufs.batch_sq, scale]

@@ -8,7 +8,9 @@ rows is exact. A schedule answers ``size(samples_seen, noise)`` before each step
   ``multiple_of`` (a batch-size warm-up as Megatron's ``--rampup-batch-size``, counted in samples);
 * :class:`Autopilot` - follows the step's own gradient noise scale (``noise_scale=True``,
   docs/noise-scale.md): ``B <- clip(k * B_simple, B_min, B_max)``, never down, and up only where
-  the target passes the current size by ``hysteresis`` (the estimate is noisy).
+  the target passes the current size by ``hysteresis`` (the estimate is noisy). Hand it the
+  streamer's :class:`~mbs_ext.counts.noise.NoiseScale` (``streamer.noise``): its moving averages
+  are restored by the streamer's ``load_state_dict``, so a resumed run decides as the first would.
 
 :func:`scaled_lr` couples the learning rate to the size (``"linear"``, or ``"sqrt"`` for Adam).
 Every schedule is counted in samples (or tokens), never in steps, so a run resumed at another
@@ -78,8 +80,10 @@ class Autopilot:
         self.minimum, self.maximum, self.multiple_of = (_size(n, v) for n, v in
                                                         (("minimum", minimum), ("maximum", maximum),
                                                          ("multiple_of", multiple_of)))
+        self.maximum = self.maximum // self.multiple_of * self.multiple_of  # the largest size it can choose
         if self.maximum < self.minimum:
-            raise ValueError(f"maximum ({maximum}) must be >= minimum ({minimum})")
+            raise ValueError(f"maximum ({maximum}, rounded down to a multiple of {multiple_of}) must be >= minimum "
+                             f"({minimum})")
         if not (k > 0 and math.isfinite(k)) or not hysteresis >= 0:
             raise ValueError(f"k must be a positive number and hysteresis >= 0, got k={k!r}, hysteresis={hysteresis!r}")
         self.k, self.hysteresis = float(k), float(hysteresis)

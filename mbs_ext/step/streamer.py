@@ -175,9 +175,11 @@ class MicroBatchStreamer:
     def _check(self, batch: Any, indices: Any, binding: Binding, found: _model.Members, loss_fn: Callable,
                options: StepOptions, loss_calls: dict) -> Call:
         """Every check of a call's inputs, before anything changes."""
+        # The world first: it also takes this step's noise_scale, which decides the buffers a rank
+        # failing in the checks below joins the others' collective with.
+        binding.world.check_options(options, binding.params)
         info = _batch.check(batch, indices, binding.device)
         _model.check_scaler_params(options.scaler, binding.params, binding.device)
-        binding.world.check_options(options, binding.params)
         made = _loss.rule_and_call(loss_calls, loss_fn, options.normalize, info.pair)
         if options.noise_scale and made[0].kind not in ("samples", "count"):
             raise ValueError(f"noise_scale needs a loss that is a mean over its items (normalize='samples' or a "

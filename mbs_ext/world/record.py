@@ -191,10 +191,10 @@ class Record:
     def failure_slots(self) -> torch.Tensor:
         return self.summed[len(Layout.HEAD) + self.layout.presence :]
 
-    def noise(self, local_sq: Value, local_micro_batches: int) -> tuple[Value, Value]:
+    def noise(self, local_sq: Value, local_micro_batches: Value) -> tuple[Value, Value]:
         """``sum_j c_j |g_j|^2`` and the micro-batches over every rank (this rank's alone on one process)."""
         if self.summed is None:
-            return local_sq, float(local_micro_batches)
+            return local_sq, local_micro_batches
         return self.head("noise_sq"), self.head("micro_batches")
 
     def failed(self) -> Value:

@@ -121,7 +121,7 @@ class Replicas(World):
         total, loss_sum, invalid = normalizer.local_values()
         record = layout.read(all_reduce_sum(layout.pack(
             total=total, loss_sum=loss_sum, invalid_counts=invalid, nonfinite=sink.local_nonfinite(), presence=got,
-            noise_sq=sink.micro_sq(normalizer.denom), micro_batches=float(normalizer.num_mb),
+            noise_sq=sink.micro_sq(normalizer.denom), micro_batches=sink.micro_batches(),
         ), normalizer.device, self.group))
         normalizer.settle((record.head("total"), record.head("loss_sum"), record.head("invalid_counts")))
         if not all(got):
