@@ -142,6 +142,12 @@ def hand_loop(k: int, device: str, rank: int = 0) -> Case:
     ``.grad``, one AdamW step). What it shows between k=8 and k=1,024 is the measurement's own
     noise, which the tolerance is set from."""
     model = _mlp().to(device)
+    return Case(_accumulating(model, device), *_batches(k, rank))
+
+
+def _accumulating(model: nn.Module, device: str) -> Callable[[Any], _Looped]:
+    """PyTorch's own accumulation loop over micro-batches of :data:`M` rows of ``model`` (slice,
+    forward, backward of the weighted loss into ``.grad``, one AdamW step): the references."""
     opt, loss = _opt(model), nn.CrossEntropyLoss()
 
     def run(batch: tuple[torch.Tensor, torch.Tensor]) -> _Looped:
@@ -153,7 +159,7 @@ def hand_loop(k: int, device: str, rank: int = 0) -> Case:
         opt.step()
         return _Looped(-(-len(x) // M))
 
-    return Case(run, *_batches(k, rank))
+    return run
 
 
 def device_counts(k: int, device: str, rank: int = 0) -> Case:
@@ -426,18 +432,7 @@ def hand_fsdp2(k: int, device: str, rank: int = 0) -> Case:
 
     model = _mlp(FSDP_LAYERS).to(device)
     fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (dist.get_world_size(),)))
-    opt, loss = _opt(model), nn.CrossEntropyLoss()
-
-    def run(batch: tuple[torch.Tensor, torch.Tensor]) -> _Looped:
-        x, y = batch
-        opt.zero_grad()
-        for i in range(0, len(x), M):
-            xb, yb = x[i:i + M].to(device), y[i:i + M].to(device)
-            (loss(model(xb), yb) * (len(xb) / len(x))).backward()
-        opt.step()
-        return _Looped(-(-len(x) // M))
-
-    return Case(run, *_batches(k, rank))
+    return Case(_accumulating(model, device), *_batches(k, rank))
 
 
 # Two-rank BatchNorm cases: each layer runs two collectives per micro-batch, about 3.5 ms each
