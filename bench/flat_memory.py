@@ -33,6 +33,7 @@ every rank, each its own ``k`` micro-batches; ``rise_mib`` is the largest rank's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -150,12 +151,15 @@ def _accumulating(model: nn.Module, device: str) -> Callable[[Any], _Looped]:
     forward, backward of the weighted loss into ``.grad``, one AdamW step): the references."""
     opt, loss = _opt(model), nn.CrossEntropyLoss()
 
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP: one reduction, at the last
+
     def run(batch: tuple[torch.Tensor, torch.Tensor]) -> _Looped:
         x, y = batch
         opt.zero_grad()
         for i in range(0, len(x), M):
             xb, yb = x[i:i + M].to(device), y[i:i + M].to(device)
-            (loss(model(xb), yb) * (len(xb) / len(x))).backward()
+            with no_sync() if i + M < len(x) else contextlib.nullcontext():
+                (loss(model(xb), yb) * (len(xb) / len(x))).backward()
         opt.step()
         return _Looped(-(-len(x) // M))
 
@@ -448,6 +452,43 @@ def batchnorm_across_ranks(k: int, device: str, rank: int = 0) -> Case:
     return Case(lambda b: mbs_ext.step(model, opt, b, loss, micro_batch_size=M), *_batches(k, rank, _images))
 
 
+class _RankSums(torch.autograd.Function):
+    """An across-rank BatchNorm's traffic in plain PyTorch: the per-channel sums (and count) of
+    the input all-reduced in the forward, of the output gradient in the backward, as float64."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        dims = [0, *range(2, x.dim())]
+        sums = torch.cat([x.sum(dims), x.square().sum(dims), x.new_full((1,), x.numel() // x.shape[1])])
+        dist.all_reduce(sums.to(torch.float64))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> torch.Tensor:
+        dims = [0, *range(2, gy.dim())]
+        dist.all_reduce(torch.cat([gy.sum(dims), gy.sum(dims)]).to(torch.float64))
+        return gy
+
+
+class _Sums(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RankSums.apply(x)
+
+
+def hand_ranks(k: int, device: str, rank: int = 0) -> Case:
+    """The two-rank BatchNorm cases' reference, no mbs_ext: ``_bn_net``'s layers with plain
+    ``nn.BatchNorm2d`` each followed by the across-rank layers' two all-reduces per micro-batch
+    (:class:`_RankSums`), under DDP's own accumulation (``no_sync`` but for the last micro-batch),
+    one AdamW step. What it grows is what gloo and autograd grow for the same collectives."""
+    torch.manual_seed(0)
+    body: list[nn.Module] = []
+    for _ in range(RANK_BN_LAYERS):
+        body += [nn.Conv2d(D, D, 1, bias=False), nn.BatchNorm2d(D), _Sums(), nn.ReLU()]
+    net = nn.Sequential(*body, nn.Flatten(), nn.Linear(D * 4, CLASSES)).to(memory_format=torch.channels_last)
+    model = nn.parallel.DistributedDataParallel(net.to(device))
+    return Case(_accumulating(model, device), *_batches(k, rank, _images))
+
+
 def syncbatchnorm(k: int, device: str, rank: int = 0) -> Case:
     """``nn.SyncBatchNorm`` (``convert_sync_batchnorm``): the step gives it the across-ranks
     semantics. Replicated by hand (``process_group=``, as tests/test_batchnorm_ranks.py does):
@@ -462,7 +503,7 @@ def syncbatchnorm(k: int, device: str, rank: int = 0) -> Case:
 
 SINGLE = {f.__name__: f for f in (plain, device_counts, batchnorm, tokens, cached_loss, accumulate, hand_loop,
                                    hand_tokens, leak)}
-RANKED = {f.__name__: f for f in (ddp, fsdp2, hand_fsdp2, batchnorm_across_ranks, syncbatchnorm)}
+RANKED = {f.__name__: f for f in (ddp, fsdp2, hand_fsdp2, batchnorm_across_ranks, syncbatchnorm, hand_ranks)}
 
 
 # --- measuring ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from mbs_ext.model.batchnorm import BatchNormWarning, convert_batchnorm, set_bat
 from mbs_ext.model.options import StepOptions
 from mbs_ext.ops import scale_accumulate_
 from mbs_ext.step.cached import CachedLoss, forward
-from mbs_ext.step.schedule import Autopilot, Ramp, Steps, scaled_lr
+from mbs_ext.step.schedule import Autopilot, Ramp, SampleLR, Steps, adascale_gain, scaled_lr
 from mbs_ext.step.streamable import check_streamable
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
 from mbs_ext.streaming.order import SampleOrder
@@ -50,6 +50,7 @@ __all__ = [
     "NoiseScale",
     "PeerFailed",
     "Ramp",
+    "SampleLR",
     "SampleOrder",
     "StepOptions",
     "StepResult",
@@ -58,6 +59,7 @@ __all__ = [
     "TokenPlan",
     "__version__",
     "accumulate",
+    "adascale_gain",
     "build_info",
     "check_streamable",
     "convert_batchnorm",

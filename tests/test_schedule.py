@@ -15,7 +15,9 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 import mbs_ext
 
@@ -152,7 +154,163 @@ def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument(
         mbs_ext.SampleOrder(10).next(0)
     with pytest.raises(ValueError, match="milestones must start at 0"):
         mbs_ext.Steps(((5, 10),))
-    with pytest.raises(ValueError, match="rule must be 'linear' or 'sqrt'"):
+    with pytest.raises(ValueError, match="rule must be 'linear', 'sqrt' or 'adascale'"):
         mbs_ext.scaled_lr(1.0, 1, 2, "cube")
     with pytest.raises(ValueError, match="this order's has"):
         mbs_ext.SampleOrder(10).load_state_dict(mbs_ext.SampleOrder(11).state_dict())
+
+
+def _per_example_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every row's gradient, flattened (N x P), by torch.func at the model's weights."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([g.reshape(len(x), -1) for g in grads.values()], dim=1)
+
+
+def test_adascale_gain_is_the_ratio_of_expected_squared_gradient_norms():
+    """AdaScale's gain is ``E|g_base|^2 / E|g_size|^2`` (the squared norm of a mean gradient over
+    ``base_size`` rows, against ``size`` rows). Drawn here from per-example gradients (torch.func)
+    by Monte Carlo, 20,000 draws of rows with replacement per size; :func:`mbs_ext.adascale_gain`
+    from the exact ``B_simple = tr(Sigma) / |G|^2`` of the same gradients matches it to 3%."""
+    x, y = _data()
+    model = _parts()[0]
+    per = _per_example_grads(model, x, y)
+    mean = per.mean(0)
+    trace = ((per - mean) ** 2).sum(1).mean().item()  # tr(Sigma), per row (the population covariance)
+    b_simple = trace / mean.square().sum().item()
+    gen = torch.Generator().manual_seed(0)
+
+    def expected_sq(b: int) -> float:
+        draws = torch.randint(0, ROWS, (20_000, b), generator=gen)
+        return per[draws].mean(1).square().sum(1).mean().item()
+
+    for base, size in ((2, 8), (4, 64), (8, 8)):
+        got = mbs_ext.adascale_gain(b_simple, base, size)
+        assert got == pytest.approx(expected_sq(base) / expected_sq(size), rel=0.03), (base, size, b_simple)
+        assert 1.0 <= got <= size / base
+    assert mbs_ext.adascale_gain(None, 4, 64) == 1.0  # no estimate yet: the base rate
+    assert mbs_ext.adascale_gain(-3.0, 4, 64) == 1.0  # a negative estimate reads as no noise
+
+
+def test_adascale_learning_rate_follows_the_streamers_noise():
+    """``scaled_lr(rule="adascale")`` reads ``B_simple`` from the streamer's moving averages."""
+    x, y = _data()
+    model, opt, streamer, order = _parts()
+    with pytest.raises(ValueError, match="needs noise="):
+        mbs_ext.scaled_lr(0.1, 8, 32, "adascale")
+    assert mbs_ext.scaled_lr(0.1, 8, 32, "adascale", noise=streamer.noise) == 0.1  # no step yet
+    for _ in range(3):
+        streamer.step((x, y), indices=order.next(36))
+    b = streamer.noise.b_simple
+    assert b is not None
+    assert mbs_ext.scaled_lr(0.1, 8, 32, "adascale", noise=streamer.noise) == pytest.approx(
+        0.1 * (b / 8 + 1) / (b / 32 + 1), rel=1e-12)
+
+
+def test_a_learning_rate_schedule_on_samples_lands_where_it_was_at_any_size_and_on_resume():
+    """SampleLR sets base x ``lr_at(samples seen)`` x the size's coupling; two runs that reach the
+    same samples in different step sizes set the same warm-up factor, and a resumed schedule (other
+    base rates in the new optimizer: they must come from the state) sets what the first would."""
+    warm = 100
+
+    def lr_at(seen):
+        return min(1.0, (seen + 1) / warm)
+
+    def run(sizes, rule=None):
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.2}, {"params": [model.bias], "lr": 0.05}])
+        sched, seen, got = mbs_ext.SampleLR(opt, lr_at, base_size=8 if rule else None, rule=rule), 0, []
+        for size in sizes:
+            got.append((seen, sched.step(seen, size)))
+            seen += size
+        return opt, sched, got
+
+    _, _, small = run([4] * 30)
+    _, _, large = run([12] * 10)
+    at_small = dict(small)
+    for seen, lrs in large:  # the same samples seen, the same rates, whatever the step size
+        assert lrs == at_small[seen] == [0.2 * lr_at(seen), 0.05 * lr_at(seen)]
+    _, _, sqrt = run([8, 16, 32], rule="sqrt")
+    assert [lrs[0] for _, lrs in sqrt] == pytest.approx([0.2 * lr_at(s) * math.sqrt(b / 8) for s, b in
+                                                         zip((0, 8, 24), (8, 16, 32))], rel=1e-15)
+    opt, sched, _ = run([8, 8, 8])
+    fresh = torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=9.0)
+    fresh.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": 9.0})
+    resumed = mbs_ext.SampleLR(fresh, lr_at)
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.step(24) == sched.step(24) == [0.2 * lr_at(24), 0.05 * lr_at(24)]
+    with pytest.raises(ValueError, match="lr_at must be a function"):
+        mbs_ext.SampleLR(opt, 0.5)
+    with pytest.raises(ValueError, match="needs base_size="):
+        mbs_ext.SampleLR(opt, lr_at, rule="sqrt")
+    with pytest.raises(ValueError, match="size= is needed"):
+        mbs_ext.SampleLR(opt, lr_at, base_size=8, rule="linear").step(0)
+
+
+# --- a world-size change: one rank, then two, then one again ------------------------------------
+
+WORLD_SIZES = [(1, 6), (2, 6), (1, 6)]  # (ranks, steps) of the three legs
+
+
+def _leg_parts(blob: bytes | None, world: int):
+    """The run's parts on a world of ``world`` ranks (DDP over two), from ``blob`` (None: a fresh start)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    streamer = mbs_ext.MicroBatchStreamer(model, opt, nn.CrossEntropyLoss(), micro_batch_size=6)
+    order = mbs_ext.SampleOrder(ROWS, seed=3)
+    if blob is not None:
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        streamer.load_state_dict(state["streamer"])
+        order.load_state_dict(state["order"])
+    return net, opt, streamer, order
+
+
+def _leg(rank: int, blob: bytes | None, sizes: list[int], world: int) -> tuple[bytes, list[list[int]]]:
+    """Steps of ``sizes`` on rank ``rank`` of ``world``: the state after them and the rows this rank took."""
+    net, opt, streamer, order = _leg_parts(blob, world)
+    data, took = _data(), []
+    for size in sizes:
+        rows = order.next(size, rank=rank, world=world)
+        took.append(rows.tolist())
+        streamer.step(data, indices=rows)
+    buf = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "streamer": streamer.state_dict(),
+                "order": order.state_dict()}, buf)
+    return buf.getvalue(), took
+
+
+@pytest.mark.multiprocess
+def test_a_run_resumed_on_two_ranks_then_one_equals_the_run_on_one():
+    """Six steps on one rank, six on two gloo ranks (DDP), six on one again, resumed from the saved
+    states at each change, with the mini-batch size changing at every step: the parameters equal
+    one rank's uninterrupted run to 1e-12 (the two ranks add their shares in another order), and
+    every epoch's rows were taken exactly once over the three legs."""
+    from ddp_harness import run_world
+
+    rng = random.Random(7)
+    sizes = [rng.randrange(8, 41) for _ in range(sum(n for _, n in WORLD_SIZES))]
+    want_blob, want_rows = _leg(0, None, sizes, 1)
+    want = _leg_parts(want_blob, 1)[0]
+    blob, taken, at = None, [], 0
+    for world, steps in WORLD_SIZES:
+        leg = sizes[at:at + steps]
+        ranks = run_world(_leg, blob, leg, world, world=world, timeout=120) if world > 1 else [_leg(0, blob, leg, 1)]
+        blob = ranks[0][0]
+        taken += [sum((r[1][i] for r in ranks), []) for i in range(steps)]  # rank 0's share, then rank 1's
+        at += steps
+    assert taken == want_rows  # the same global order, step by step
+    flat = sum(taken, [])
+    for e in range(len(flat) // ROWS):
+        assert sorted(flat[e * ROWS:(e + 1) * ROWS]) == list(range(ROWS)), e
+    got = _leg_parts(blob, 1)[0]
+    for p, q in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=0.0, atol=1e-12)
+    assert not all(torch.equal(p, q) for p, q in zip(got.parameters(), _leg_parts(None, 1)[0].parameters()))

@@ -117,6 +117,8 @@ class GradBuffers:
                 params[j].grad = None
 
     def mul_(self, factor: float | torch.Tensor) -> None:
+        if not isinstance(factor, torch.Tensor) and factor == 1.0:
+            return  # counts known before the first micro-batch weighed it exactly already
         for flat in self.flats:
             flat.mul_(factor.to(flat.device) if isinstance(factor, torch.Tensor) else factor)
 
@@ -137,21 +139,34 @@ class GradBuffers:
             self.all_reduce(group)
         # Finite micro-batch gradients can add up past the buffer dtype's range, here or in
         # the sum over ranks: one fused check of the final sums (equal on every rank).
-        self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
         if self.micro_sq is not None:  # one pass over the sums, once a step (noise scale)
             device = self.micro_sq.device
             self.batch_sq = sum(torch.linalg.vector_norm(f, dtype=torch.float64).square().to(device)
                                 for f in self.flats)
-        for j, p in enumerate(self.params):
-            if got_any[j]:
-                # A gradient of its own (never a view that would keep the whole buffer
-                # alive between steps), laid out like its parameter.
-                grad = torch.empty_like(p, memory_format=torch.preserve_format)
-                grad.copy_(self.views[j])
-                p.grad = grad
-            else:
-                p.grad = None
+        if self.micro_sq is not None and all(f.dtype.itemsize <= 4 for f in self.flats):
+            # The same pass answers the check: a float64 sum of float32 squares is finite exactly
+            # when every element is (float32's largest squared, times any length, fits float64).
+            self.sum_nonfinite = (~torch.isfinite(self.batch_sq)).to(torch.float32)
+        else:
+            self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
+        for js in self.groups:
+            # The buffer's views themselves become the gradients (no copy) only where every slot
+            # of the buffer does: a view would otherwise keep alive, between steps, the slots of
+            # parameters no micro-batch reached and of those whose gradient is a cast copy.
+            shared = all(got_any[j] and self._same_as_param(j) for j in js)
+            for j in js:
+                self.params[j].grad = (self.views[j] if shared else self._copy(j)) if got_any[j] else None
         self.release()
+
+    def _same_as_param(self, j: int) -> bool:
+        p, view = self.params[j], self.views[j]
+        return view.dtype == p.dtype and not p.is_sparse and view.stride() == p.stride()
+
+    def _copy(self, j: int) -> torch.Tensor:
+        """A gradient of its own for parameter ``j``, laid out like its parameter."""
+        grad = torch.empty_like(self.params[j], memory_format=torch.preserve_format)
+        grad.copy_(self.views[j])
+        return grad
 
     def all_reduce(self, group: Any) -> None:
         """Sum the buffers over the ranks of ``group``: one all-reduce per device."""

@@ -12,7 +12,9 @@ rows is exact. A schedule answers ``size(samples_seen, noise)`` before each step
   streamer's :class:`~mbs_ext.counts.noise.NoiseScale` (``streamer.noise``): its moving averages
   are restored by the streamer's ``load_state_dict``, so a resumed run decides as the first would.
 
-:func:`scaled_lr` couples the learning rate to the size (``"linear"``, or ``"sqrt"`` for Adam).
+:func:`scaled_lr` couples the learning rate to the size (``"linear"``, ``"sqrt"`` for Adam, or
+``"adascale"``: AdaScale's gain from the step's own noise), and :class:`SampleLR` runs a
+learning-rate schedule on the same clock of samples.
 Every schedule is counted in samples (or tokens), never in steps, so a run resumed at another
 batch size or world size lands where it was (with :class:`mbs_ext.streaming.order.SampleOrder`);
 the only schedule with a state, :class:`Autopilot`, has ``state_dict``/``load_state_dict``.
@@ -105,11 +107,76 @@ class Autopilot:
         self.current = int(state["current"])
 
 
-def scaled_lr(base_lr: float, base_size: int, size: int, rule: str = "linear") -> float:
+def adascale_gain(b_simple: float | None, base_size: int, size: int) -> float:
+    """AdaScale's gain for SGD (Johnson et al. 2020, "AdaScale SGD"): how many ``base_size``
+    steps one step of ``size`` rows is worth, ``r = (s2 + g2) / (s2 / S + g2)`` with ``S`` the
+    scale ``size / base_size``, ``s2`` the gradient variance at ``base_size`` and ``g2`` the
+    squared norm of the true gradient. In the noise scale's terms (``s2 = tr(Sigma) / base_size``,
+    ``B_simple = tr(Sigma) / g2``): ``r = (B_simple / base_size + 1) / (B_simple / size + 1)``,
+    between 1 (no noise: a larger batch adds nothing) and ``S`` (all noise: it is worth ``S``
+    steps). Before the noise gives ``B_simple`` (None) the gain is 1, AdaScale's own start."""
+    base_size, size = _size("base_size", base_size), _size("size", size)
+    if b_simple is None or not math.isfinite(b_simple):
+        return 1.0
+    b = max(float(b_simple), 0.0)  # a negative estimate (noise of the estimator): no noise
+    return (b / base_size + 1.0) / (b / size + 1.0)
+
+
+def scaled_lr(base_lr: float, base_size: int, size: int, rule: str = "linear", noise: Any = None) -> float:
     """The learning rate for a mini-batch of ``size`` rows, given ``base_lr`` at ``base_size``:
-    ``"linear"`` (SGD: proportional) or ``"sqrt"`` (Adam: with the square root of the ratio)."""
+    ``"linear"`` (SGD: proportional), ``"sqrt"`` (Adam: with the square root of the ratio), or
+    ``"adascale"`` (SGD: :func:`adascale_gain` from ``noise``, the streamer's
+    :class:`~mbs_ext.counts.noise.NoiseScale`, whose moving averages give ``B_simple``)."""
     if rule == "linear":
         return base_lr * size / base_size
     if rule == "sqrt":
         return base_lr * math.sqrt(size / base_size)
-    raise ValueError(f"rule must be 'linear' or 'sqrt', got {rule!r}")
+    if rule == "adascale":
+        if noise is None:
+            raise ValueError("scaled_lr(rule='adascale') needs noise=: the streamer's noise (streamer.noise, with "
+                             "noise_scale=True)")
+        return base_lr * adascale_gain(getattr(noise, "b_simple", None), base_size, size)
+    raise ValueError(f"rule must be 'linear', 'sqrt' or 'adascale', got {rule!r}")
+
+
+class SampleLR:
+    """A learning-rate schedule on the clock of samples (or tokens), not steps: before each step,
+    ``step(seen, size)`` sets every parameter group's rate to its base rate times
+    ``lr_at(seen)`` (a warm-up, a decay: a function of the samples seen so far), times the
+    coupling of ``rule`` (:func:`scaled_lr`) from ``base_size`` to this step's ``size`` where
+    ``rule`` is given. A step schedule counted in steps would move at a different pace as soon
+    as the batch size does; this one lands where it was at any size, and on resume (its state is
+    the base rates and the last clock reading)."""
+
+    def __init__(self, optimizer: Any, lr_at: Any, base_size: int | None = None, rule: str | None = None,
+                 noise: Any = None) -> None:
+        if not callable(lr_at):
+            raise ValueError(f"lr_at must be a function of the samples seen, got {lr_at!r}")
+        if rule is not None and base_size is None:
+            raise ValueError(f"SampleLR(rule={rule!r}) needs base_size=: the mini-batch size the base rates are for")
+        self.optimizer, self.lr_at, self.rule, self.noise = optimizer, lr_at, rule, noise
+        self.base_size = None if base_size is None else _size("base_size", base_size)
+        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        self.seen = 0
+
+    def step(self, seen: int, size: int | None = None) -> list[float]:
+        """Set the rates for the step after ``seen`` samples (of ``size`` rows); returns them."""
+        if self.rule is not None and size is None:
+            raise ValueError(f"SampleLR.step: size= is needed with rule={self.rule!r}")
+        self.seen = int(seen)
+        factor = float(self.lr_at(self.seen))
+        lrs = []
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            lr = base * factor
+            if self.rule is not None:
+                lr = scaled_lr(lr, self.base_size, size, self.rule, self.noise)
+            group["lr"] = lr
+            lrs.append(lr)
+        return lrs
+
+    def state_dict(self) -> dict:
+        return {"base_lrs": list(self.base_lrs), "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base_lrs = [float(v) for v in state["base_lrs"]]
+        self.seen = int(state["seen"])
