@@ -20,7 +20,7 @@ from mbs_ext.step.cached import CachedLoss, forward
 from mbs_ext.step.schedule import Autopilot, Ramp, SampleLR, Steps, adascale_gain, scaled_lr
 from mbs_ext.step.streamable import check_streamable
 from mbs_ext.step.streamer import MicroBatchStreamer, StepResult, accumulate, step
-from mbs_ext.streaming.order import SampleOrder
+from mbs_ext.streaming.order import MiniBatches, SampleOrder
 from mbs_ext.streaming.ring import StreamRing
 from mbs_ext.streaming.tokens import TokenPlan, plan_tokens
 from mbs_ext.world import PeerFailed
@@ -46,6 +46,7 @@ __all__ = [
     "CountWarning",
     "MicroBatchPlan",
     "MicroBatchStreamer",
+    "MiniBatches",
     "Noise",
     "NoiseScale",
     "PeerFailed",

@@ -314,3 +314,53 @@ def test_a_run_resumed_on_two_ranks_then_one_equals_the_run_on_one():
     for p, q in zip(got.parameters(), want.parameters()):
         torch.testing.assert_close(p, q, rtol=0.0, atol=1e-12)
     assert not all(torch.equal(p, q) for p, q in zip(got.parameters(), _leg_parts(None, 1)[0].parameters()))
+
+
+def _loader_run(steps: int, blob: bytes | None = None, seed: int = 0):
+    """``steps`` steps fed by torchdata's StatefulDataLoader over :class:`mbs_ext.MiniBatches` (a
+    ramp), the learning rate following the size; from ``blob`` (model, optimizer, streamer and
+    loader states) where given. Returns the parts and the saved states after the last step."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    model, opt, streamer, order = parts = _parts(seed)
+    loader = StatefulDataLoader(torch.utils.data.TensorDataset(*_data()),
+                                batch_sampler=mbs_ext.MiniBatches(order, _schedule("ramp")))
+    if blob is not None:
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        streamer.load_state_dict(state["streamer"])
+        loader.load_state_dict(state["loader"])
+    batches = iter(loader)
+    for _ in range(steps):
+        x, y = next(batches)
+        for group in opt.param_groups:
+            group["lr"] = mbs_ext.scaled_lr(1e-2, 16, len(x), "sqrt")
+        streamer.step((x, y))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "streamer": streamer.state_dict(),
+                "loader": loader.state_dict()}, buf)
+    return parts, buf.getvalue()
+
+
+def test_a_stateful_dataloader_over_the_order_resumes_bit_identical():
+    """torchdata's StatefulDataLoader gathering the rows :class:`mbs_ext.MiniBatches` picks (a ramp):
+    the run equals the scheduled run on ``indices=`` to 1e-15 (the same rows, taken from the
+    dataset by another path: after 12 steps the last bits differ), and, interrupted at every step
+    and resumed from the loader's own ``state_dict()`` (with the model's, optimizer's and
+    streamer's), ends bit-identical to the run that was not interrupted."""
+    steps = 12
+    want, _ = _loader_run(steps)
+    by_indices = _parts()
+    _train(by_indices, _schedule("ramp"), _data(), steps)
+    for p, q in zip(want[0].parameters(), by_indices[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=0.0, atol=1e-15)
+    for at in range(1, steps):
+        _, blob = _loader_run(at)
+        got, _ = _loader_run(steps - at, blob, seed=99)  # other weights: everything comes from the states
+        for p, q in zip(got[0].parameters(), want[0].parameters()):
+            assert torch.equal(p, q), at
+    with pytest.raises(ValueError, match="size must be an int >= 1 or a schedule"):
+        mbs_ext.MiniBatches(mbs_ext.SampleOrder(10), 0)
+    assert list(mbs_ext.MiniBatches(mbs_ext.SampleOrder(10, seed=1), 4, total_samples=10)) == [
+        r.tolist() for r in (lambda o: [o.next(4), o.next(4), o.next(4)])(mbs_ext.SampleOrder(10, seed=1))]

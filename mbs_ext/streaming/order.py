@@ -74,3 +74,45 @@ class SampleOrder:
                              f"{self.rows} rows")
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
         self.samples_seen, self.tokens_seen = int(state["samples_seen"]), int(state["tokens_seen"])
+
+
+class MiniBatches:
+    """A batch sampler over a :class:`SampleOrder`: each item is the row indices of the next
+    mini-batch, of ``size`` rows (an int, or a schedule answering ``size(samples_seen, noise)``:
+    :class:`mbs_ext.Ramp`, :class:`mbs_ext.Steps`, :class:`mbs_ext.Autopilot` with ``noise``, the
+    streamer's), this rank's share of it under ``rank``/``world``, until ``total_samples``.
+
+    Hand it to a DataLoader as ``batch_sampler=`` where the loader should gather the rows (a
+    dataset read row by row, collated on the host), and to torchdata's ``StatefulDataLoader`` to
+    have its ``state_dict()`` carry this one's: the order's and the schedule's state, so the
+    loader resumes at the same sample at any batch size. Iterating it again goes on from where it
+    is (the order counts samples, not passes over the loader). With ``num_workers > 0`` a loader
+    draws mini-batches ahead of the step, so an autopilot's sizes are decided that much earlier."""
+
+    def __init__(self, order: SampleOrder, size: int | object, noise: object = None,
+                 total_samples: int | None = None, rank: int = 0, world: int = 1) -> None:
+        if not isinstance(order, SampleOrder):
+            raise TypeError(f"order must be a mbs_ext.SampleOrder, got {type(order).__name__}")
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1) and not callable(
+                getattr(size, "size", None)):
+            raise ValueError(f"size must be an int >= 1 or a schedule with size(samples_seen, noise), got {size!r}")
+        self.order, self.size, self.noise = order, size, noise
+        self.total_samples, self.rank, self.world = total_samples, rank, world
+
+    def __iter__(self) -> MiniBatches:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.total_samples is not None and self.order.samples_seen >= self.total_samples:
+            raise StopIteration
+        size = self.size if isinstance(self.size, int) else self.size.size(self.order.samples_seen, self.noise)
+        return self.order.next(size, rank=self.rank, world=self.world).tolist()
+
+    def state_dict(self) -> dict:
+        schedule = getattr(self.size, "state_dict", None)
+        return {"order": self.order.state_dict(), "schedule": schedule() if schedule is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state["order"])
+        if state.get("schedule") is not None:
+            self.size.load_state_dict(state["schedule"])
