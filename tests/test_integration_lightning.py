@@ -112,14 +112,14 @@ def token_data(n: int = 17, t: int = 6):
     return x, mask, y
 
 
-def fit(module, tensors, batch_size, strategy=None, steps=1, logger=None, **trainer_kw):
+def fit(module, tensors, batch_size, strategy=None, steps=1, logger=None, ckpt_path=None, **trainer_kw):
     kw = dict(accelerator="cpu", devices=1, max_steps=steps, precision="64-true", logger=logger or False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               log_every_n_steps=1, **trainer_kw)
     if strategy is not None:
         kw["strategy"] = strategy
     trainer = pl.Trainer(**kw)
-    trainer.fit(module, DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=False))
+    trainer.fit(module, DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -165,6 +165,37 @@ def test_noise_scale_is_logged_and_the_step_unchanged():
     assert [m["noise_grad_sq"] for _, m in log.rows] == pytest.approx([n.grad_sq for n in seen], rel=1e-6)
     logged = [m["b_simple"] for _, m in log.rows if "b_simple" in m]
     assert logged == pytest.approx([n.b_simple for n in seen if n.b_simple is not None], rel=1e-6) and logged
+
+
+def test_a_resumed_fit_resumes_the_noise_averages(tmp_path):
+    """A checkpoint after 3 steps carries the streamer's state (the noise's moving averages):
+    ``fit(ckpt_path=...)`` from it goes on from those averages (they equal the saved ones with
+    the resumed steps' own noise folded in), and its weights are plain Lightning's resumed from
+    the same checkpoint (Lightning's resume is the reference: it does not replay the 6-step run)."""
+    from mbs_ext.counts.noise import NoiseSample, NoiseScale
+
+    data, seen = regression_data(69), []
+
+    class Seen(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(trainer.strategy.last_result.noise)
+
+    first = Regressor()
+    t_first = fit(first, data, 23, StreamingStrategy(micro_batch_size=4, noise_scale=True), steps=3)
+    t_first.save_checkpoint(tmp_path / "three.ckpt")
+    saved = t_first.strategy._streamer().noise.state_dict()
+    resumed, plain = Regressor(), Regressor()
+    t_resumed = fit(resumed, data, 23, StreamingStrategy(micro_batch_size=4, noise_scale=True), steps=6,
+                    ckpt_path=str(tmp_path / "three.ckpt"), callbacks=[Seen()])
+    fit(plain, data, 23, steps=6, ckpt_path=str(tmp_path / "three.ckpt"))
+    want = NoiseScale()
+    want.load_state_dict(saved)
+    for n in seen:
+        want.update(NoiseSample(n.micro_batches, n.items, n.micro_sq, n.batch_sq))
+    got = t_resumed.strategy._streamer().noise
+    assert seen and got.steps == want.steps == 3 + len(seen)
+    assert got.moments == pytest.approx(want.moments, rel=1e-12)
+    assert max_diff(resumed, plain) < TOL and max_diff(resumed, first) > 1e-3
 
 
 def test_token_micro_batches_equal_full_batch_step():

@@ -193,6 +193,28 @@ def test_noise_scale_is_logged_beside_the_loss(tmp_path):
     assert [e.get("b_simple") for e in logs] == [n.b_simple for n in seen]
 
 
+def test_a_resumed_trainer_resumes_the_noise_averages(tmp_path):
+    """A checkpoint at step 2 of 4 carries the noise's moving averages (``mbs_ext_state.pt`` beside
+    the optimizer's state); ``train(resume_from_checkpoint=...)`` from it ends with the averages
+    and the weights of the run that was not interrupted."""
+    opts = mbs_ext.StepOptions(micro_batch_size=M, noise_scale=True)
+    whole = StreamingTrainer(model=make_model(), args=training_args(tmp_path / "whole", 4), train_dataset=Rows(),
+                             options=opts)
+    whole.train()
+    first = StreamingTrainer(model=make_model(), train_dataset=Rows(), options=opts,
+                             args=training_args(tmp_path / "cut", 4, save_strategy="steps", save_steps=2))
+    first.train()
+    saved = tmp_path / "cut" / "checkpoint-2"
+    assert (saved / "mbs_ext_state.pt").is_file()
+    resumed = StreamingTrainer(model=make_model(), train_dataset=Rows(), options=opts,
+                               args=training_args(tmp_path / "cut", 4))
+    resumed.train(resume_from_checkpoint=str(saved))
+    assert resumed.noise_scale.steps == whole.noise_scale.steps == 4
+    assert resumed.noise_scale.moments == pytest.approx(whole.noise_scale.moments, rel=1e-9)
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert (p - q).abs().max().item() <= 1e-10 * max(q.abs().max().item(), 1e-30)
+
+
 def test_stock_llama_float32_loss(tmp_path):
     """LlamaForCausalLM as built (RMSNorm and the loss round to float32): equal to float32 precision."""
     ref, _ = run(Trainer, tmp_path / "ref", 1, "llama")

@@ -151,6 +151,7 @@ class _StreamingMixin:
         self._mbs_streamer: MicroBatchStreamer | None = None
         self._mbs_stash: list | None = None  # gradients kept away from Lightning's zero_grad
         self._mbs_step: _Step | None = None
+        self._mbs_loaded: dict | None = None  # a checkpoint's streamer state, for the streamer to come
 
     # -- the batch stays on the host while training -------------------------------------
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -216,7 +217,27 @@ class _StreamingMixin:
             # this strategy gathers into the step's own.
             s = self._mbs_streamer = MicroBatchStreamer(self.model, None, self._mbs_loss,
                                                         options=opts.replace(check_count=False))
+            if self._mbs_loaded is not None:  # resumed from a checkpoint (load_checkpoint)
+                s.load_state_dict(self._mbs_loaded)
+                self._mbs_loaded = None
         return s
+
+    # -- checkpoints: the streamer's state (the noise's moving averages) rides along --------
+    def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        state = self._mbs_streamer.state_dict() if self._mbs_streamer is not None else self._mbs_loaded
+        if state is not None:
+            checkpoint = {**checkpoint, "mbs_ext": state}
+        super().save_checkpoint(checkpoint, *args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(*args, **kwargs)
+        state = checkpoint.get("mbs_ext")
+        if state is not None:  # a plain strategy's checkpoint has none
+            self._mbs_loaded = state
+            if self._mbs_streamer is not None:
+                self._streamer().load_state_dict(state)
+                self._mbs_loaded = None
+        return checkpoint
 
     def _mbs_loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
         """``loss_fn(model, micro_batch)`` for mbs_ext: the user's training_step on one micro-batch."""

@@ -39,6 +39,7 @@ This module imports ``transformers``; ``import mbs_ext`` does not import it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -55,6 +56,7 @@ from mbs_ext.messages import caller_stacklevel
 __all__ = ["StreamingTrainer", "label_token_count", "loss_shifts_labels"]
 
 IGNORE_INDEX = -100
+STATE_NAME = "mbs_ext_state.pt"  # this trainer's state, in each checkpoint folder beside the optimizer's
 
 
 def label_token_count(shifted: bool, ignore_index: int = IGNORE_INDEX) -> Callable[[Any], torch.Tensor]:
@@ -246,6 +248,19 @@ class StreamingTrainer(Trainer):
         dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
         return torch.tensor(result.loss, dtype=dtype, device=self.args.device)
 
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's optimizer and scheduler states, and beside them this trainer's own (the
+        gradient noise's moving averages), so ``train(resume_from_checkpoint=...)`` resumes them."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save({"noise": self.noise_scale.state_dict()}, os.path.join(output_dir, STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, STATE_NAME) if checkpoint is not None else None
+        if path is not None and os.path.isfile(path):  # a checkpoint of a plain Trainer has none
+            self.noise_scale.load_state_dict(torch.load(path, weights_only=True)["noise"])
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the gradient noise beside the training loss: the latest step's
