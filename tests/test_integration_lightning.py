@@ -20,6 +20,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import mbs_ext  # noqa: E402
 from mbs_ext.integrations.lightning import StreamingStrategy  # noqa: E402
 
 # A framework's own Trainer / loop: out of the quick suite, run by CI (docs/testing.md).
@@ -196,6 +197,34 @@ def test_a_resumed_fit_resumes_the_noise_averages(tmp_path):
     assert seen and got.steps == want.steps == 3 + len(seen)
     assert got.moments == pytest.approx(want.moments, rel=1e-12)
     assert max_diff(resumed, plain) < TOL and max_diff(resumed, first) > 1e-3
+
+
+def test_a_ramp_through_a_stateful_dataloader_sets_each_steps_size():
+    """Lightning fed by torchdata's StatefulDataLoader over ``mbs_ext.MiniBatches`` (a ramp): each
+    step streams the mini-batch the ramp sizes, and the samples are the order's (one mini-batch
+    drawn ahead: Lightning's fetcher looks one batch ahead to know the last one)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data, sizes = regression_data(69), []
+
+    class Sizes(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            sizes.append(len(batch[0]))
+
+    order = mbs_ext.SampleOrder(69, seed=4)
+    ramp = mbs_ext.Ramp(start=8, end=40, over=120, multiple_of=8)
+    loader = StatefulDataLoader(TensorDataset(*data), batch_sampler=mbs_ext.MiniBatches(order, ramp))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, precision="64-true", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         strategy=StreamingStrategy(micro_batch_size=4), callbacks=[Sizes()])
+    trainer.fit(Regressor(), loader)
+    want, seen = [], 0
+    for _ in range(6):
+        want.append(ramp.size(seen))
+        seen += want[-1]
+    assert sizes == want and len(set(want)) > 1
+    assert order.samples_seen == seen + ramp.size(seen)  # Lightning's fetcher draws one mini-batch ahead
+    assert trainer.strategy.last_result.num_micro_batches == -(-want[-1] // 4)
 
 
 def test_token_micro_batches_equal_full_batch_step():

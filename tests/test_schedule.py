@@ -44,7 +44,9 @@ def _schedule(kind: str):
         return mbs_ext.Ramp(start=8, end=40, over=300, multiple_of=4)
     if kind == "steps":
         return mbs_ext.Steps(((0, 12), (150, 30), (400, 17)))
-    return mbs_ext.Autopilot(minimum=8, maximum=64, k=0.5, hysteresis=0.1)
+    # Acting on every estimate (max_rel_stderr=None): 24 steps of this model's noise never bring
+    # its standard error within the default half of it, and the size must change along the run.
+    return mbs_ext.Autopilot(minimum=8, maximum=64, k=0.5, hysteresis=0.1, max_rel_stderr=None)
 
 
 def _train(parts, schedule, data, steps: int, sizes: list | None = None) -> None:
@@ -140,9 +142,9 @@ def test_every_epoch_is_taken_exactly_once_at_any_sizes_and_the_ranks_share_one_
 def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument():
     pilot = mbs_ext.Autopilot(minimum=16, maximum=256, k=2.0, hysteresis=0.25, multiple_of=8)
 
-    class N:  # what the autopilot reads: b_simple (a NoiseScale's, or a step's Noise)
-        def __init__(self, b):
-            self.b_simple = b
+    class N:  # what the autopilot reads: b_simple and its standard error (a NoiseScale's, or a step's Noise)
+        def __init__(self, b, stderr=0.0):
+            self.b_simple, self.b_simple_stderr = b, stderr
 
     assert pilot.size(0, None) == 16 and pilot.size(0, N(9.0)) == 16  # 18 rounds down to 16: unchanged
     assert pilot.size(0, N(40.0)) == 80  # 2 x 40, a multiple of 8, past 16 x 1.25
@@ -150,6 +152,13 @@ def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument(
     assert pilot.size(0, N(10.0)) == 80  # never down
     assert pilot.size(0, N(1e9)) == 256  # clipped to the maximum
     assert mbs_ext.Autopilot(minimum=8, maximum=100, multiple_of=16).size(0, N(1e9)) == 96  # maximum rounded down
+    careful = mbs_ext.Autopilot(minimum=8, maximum=512, max_rel_stderr=0.2)
+    assert careful.size(0, N(300.0, stderr=None)) == 8  # one step: no standard error yet, no move
+    assert careful.size(0, N(300.0, stderr=90.0)) == 8  # 30%: too uncertain to act on
+    assert careful.size(0, N(300.0, stderr=45.0)) == 300  # 15%: acted on
+    assert mbs_ext.Autopilot(minimum=8, maximum=512, max_rel_stderr=None).size(0, N(300.0, stderr=None)) == 300
+    with pytest.raises(ValueError, match="max_rel_stderr must be a positive number"):
+        mbs_ext.Autopilot(minimum=8, maximum=16, max_rel_stderr=0)
     with pytest.raises(ValueError, match="batch_size must be an int"):
         mbs_ext.SampleOrder(10).next(0)
     with pytest.raises(ValueError, match="milestones must start at 0"):
@@ -364,3 +373,31 @@ def test_a_stateful_dataloader_over_the_order_resumes_bit_identical():
         mbs_ext.MiniBatches(mbs_ext.SampleOrder(10), 0)
     assert list(mbs_ext.MiniBatches(mbs_ext.SampleOrder(10, seed=1), 4, total_samples=10)) == [
         r.tolist() for r in (lambda o: [o.next(4), o.next(4), o.next(4)])(mbs_ext.SampleOrder(10, seed=1))]
+
+
+@pytest.mark.slow  # dynamo traces the model
+@pytest.mark.parametrize("multiple_of", [6, 1])
+def test_a_changing_batch_size_compiles_no_more_graphs(multiple_of):
+    """A compiled model under a ramp whose size changes at every step: the graphs compiled are those
+    of its micro-batches' shapes, never one per mini-batch size. Sizes in multiples of the
+    micro-batch (6 rows): every micro-batch has 6 rows, one graph. Any size: the last micro-batch
+    of a step is smaller, and dynamo traces the rows as a symbol from the second shape on: at most
+    one graph more (and one for a single row, which dynamo specializes)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    data = _data()
+    model, opt, _, order = _parts()
+    compiled = torch.compile(model, backend=counting)
+    streamer = mbs_ext.MicroBatchStreamer(compiled, opt, nn.CrossEntropyLoss(), micro_batch_size=6)
+    schedule, sizes = mbs_ext.Ramp(start=6, end=60, over=400, multiple_of=multiple_of), set()
+    while order.samples_seen < 500:
+        size = schedule.size(order.samples_seen)
+        sizes.add(size)
+        streamer.step(data, indices=order.next(size))
+    assert len(sizes) >= 8, sorted(sizes)
+    assert len(graphs) <= (1 if multiple_of == 6 else 3), (len(graphs), sorted(sizes))

@@ -105,6 +105,11 @@ class NoiseScale:
         """``B_simple`` from the averages so far (what a schedule reads: :class:`mbs_ext.Autopilot`)."""
         return self.ratio()[0]
 
+    @property
+    def b_simple_stderr(self) -> float | None:
+        """The standard error of :attr:`b_simple` (None before two steps)."""
+        return self.ratio()[1]
+
     def ratio(self) -> tuple[float | None, float | None]:
         """``B_simple`` from the averages and its standard error (delta method)."""
         if not self.steps:

@@ -74,11 +74,13 @@ class Ramp:
 class Autopilot:
     """``k * B_simple`` from the step's noise, clipped to ``[minimum, maximum]``, rounded down to a
     multiple of ``multiple_of``; monotone (never shrinks) with hysteresis (grows only where the
-    target exceeds the current size by that fraction). Until a step's noise gives ``B_simple``,
+    target exceeds the current size by that fraction). It acts only on an estimate whose standard
+    error is at most ``max_rel_stderr`` of it (None: on any): the first steps' averages, over few
+    micro-batches, can be several times too large, and a size never comes back down. Until then,
     the size stays ``minimum``."""
 
     def __init__(self, minimum: int, maximum: int, k: float = 1.0, hysteresis: float = 0.25,
-                 multiple_of: int = 1) -> None:
+                 multiple_of: int = 1, max_rel_stderr: float | None = 0.5) -> None:
         self.minimum, self.maximum, self.multiple_of = (_size(n, v) for n, v in
                                                         (("minimum", minimum), ("maximum", maximum),
                                                          ("multiple_of", multiple_of)))
@@ -88,12 +90,25 @@ class Autopilot:
                              f"({minimum})")
         if not (k > 0 and math.isfinite(k)) or not hysteresis >= 0:
             raise ValueError(f"k must be a positive number and hysteresis >= 0, got k={k!r}, hysteresis={hysteresis!r}")
-        self.k, self.hysteresis = float(k), float(hysteresis)
+        if max_rel_stderr is not None and not max_rel_stderr > 0:
+            raise ValueError(f"max_rel_stderr must be a positive number or None, got {max_rel_stderr!r}")
+        self.k, self.hysteresis, self.max_rel_stderr = float(k), float(hysteresis), max_rel_stderr
         self.current = self.minimum
 
-    def size(self, samples_seen: int, noise: Any = None) -> int:
+    def _trusted(self, noise: Any) -> float | None:
+        """``B_simple`` of ``noise`` where it is known and, with ``max_rel_stderr``, precise enough."""
         b_simple = getattr(noise, "b_simple", None)
-        if b_simple is not None and math.isfinite(b_simple):
+        if b_simple is None or not math.isfinite(b_simple):
+            return None
+        if self.max_rel_stderr is not None:
+            stderr = getattr(noise, "b_simple_stderr", None)
+            if stderr is None or not stderr <= self.max_rel_stderr * abs(b_simple):
+                return None
+        return b_simple
+
+    def size(self, samples_seen: int, noise: Any = None) -> int:
+        b_simple = self._trusted(noise)
+        if b_simple is not None:
             target = min(self.maximum, max(self.minimum, self.k * b_simple))
             target = max(self.minimum, int(target) // self.multiple_of * self.multiple_of)
             if target > self.current * (1.0 + self.hysteresis) or (target == self.maximum > self.current):

@@ -80,7 +80,9 @@ class MiniBatches:
     """A batch sampler over a :class:`SampleOrder`: each item is the row indices of the next
     mini-batch, of ``size`` rows (an int, or a schedule answering ``size(samples_seen, noise)``:
     :class:`mbs_ext.Ramp`, :class:`mbs_ext.Steps`, :class:`mbs_ext.Autopilot` with ``noise``, the
-    streamer's), this rank's share of it under ``rank``/``world``, until ``total_samples``.
+    streamer's, or a function returning it where it is made later, as under Lightning:
+    ``lambda: trainer.strategy.last_result and trainer.strategy.last_result.noise``), this rank's
+    share of it under ``rank``/``world``, until ``total_samples``.
 
     Hand it to a DataLoader as ``batch_sampler=`` where the loader should gather the rows (a
     dataset read row by row, collated on the host), and to torchdata's ``StatefulDataLoader`` to
@@ -105,7 +107,8 @@ class MiniBatches:
     def __next__(self) -> list[int]:
         if self.total_samples is not None and self.order.samples_seen >= self.total_samples:
             raise StopIteration
-        size = self.size if isinstance(self.size, int) else self.size.size(self.order.samples_seen, self.noise)
+        noise = self.noise() if callable(self.noise) else self.noise
+        size = self.size if isinstance(self.size, int) else self.size.size(self.order.samples_seen, noise)
         return self.order.next(size, rank=self.rank, world=self.world).tolist()
 
     def state_dict(self) -> dict:
