@@ -33,9 +33,9 @@ every rank, each its own ``k`` micro-batches; ``rise_mib`` is the largest rank's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
+import os
 import sys
 import time
 import warnings
@@ -151,15 +151,12 @@ def _accumulating(model: nn.Module, device: str) -> Callable[[Any], _Looped]:
     forward, backward of the weighted loss into ``.grad``, one AdamW step): the references."""
     opt, loss = _opt(model), nn.CrossEntropyLoss()
 
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP: one reduction, at the last
-
     def run(batch: tuple[torch.Tensor, torch.Tensor]) -> _Looped:
         x, y = batch
         opt.zero_grad()
         for i in range(0, len(x), M):
             xb, yb = x[i:i + M].to(device), y[i:i + M].to(device)
-            with no_sync() if i + M < len(x) else contextlib.nullcontext():
-                (loss(model(xb), yb) * (len(xb) / len(x))).backward()
+            (loss(model(xb), yb) * (len(xb) / len(x))).backward()
         opt.step()
         return _Looped(-(-len(x) // M))
 
@@ -407,7 +404,8 @@ def ddp(k: int, device: str, rank: int = 0) -> Case:
 # Two layers, not eight: FSDP2's gather and reduce buffers hold every parameter of the root at
 # once, and their reuse moves the heap's top by about their size from process to process. At 8
 # layers (2 MiB) FSDP2's own loop grew +9.9 to +13.5 MiB and this case +13.7 to +18.7 (three
-# processes each); at 2 layers +5.3 to +5.5 and +6.0 to +6.7.
+# processes each); at 2 layers +5.3 to +5.5 and +6.0 to +6.7 (those with PyTorch's flight
+# recorder on: run_case turns it off; then +0.9 to +3.7 and +1.7 to +2.0).
 FSDP_LAYERS = 2
 
 
@@ -452,43 +450,6 @@ def batchnorm_across_ranks(k: int, device: str, rank: int = 0) -> Case:
     return Case(lambda b: mbs_ext.step(model, opt, b, loss, micro_batch_size=M), *_batches(k, rank, _images))
 
 
-class _RankSums(torch.autograd.Function):
-    """An across-rank BatchNorm's traffic in plain PyTorch: the per-channel sums (and count) of
-    the input all-reduced in the forward, of the output gradient in the backward, as float64."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        dims = [0, *range(2, x.dim())]
-        sums = torch.cat([x.sum(dims), x.square().sum(dims), x.new_full((1,), x.numel() // x.shape[1])])
-        dist.all_reduce(sums.to(torch.float64))
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> torch.Tensor:
-        dims = [0, *range(2, gy.dim())]
-        dist.all_reduce(torch.cat([gy.sum(dims), gy.sum(dims)]).to(torch.float64))
-        return gy
-
-
-class _Sums(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RankSums.apply(x)
-
-
-def hand_ranks(k: int, device: str, rank: int = 0) -> Case:
-    """The two-rank BatchNorm cases' reference, no mbs_ext: ``_bn_net``'s layers with plain
-    ``nn.BatchNorm2d`` each followed by the across-rank layers' two all-reduces per micro-batch
-    (:class:`_RankSums`), under DDP's own accumulation (``no_sync`` but for the last micro-batch),
-    one AdamW step. What it grows is what gloo and autograd grow for the same collectives."""
-    torch.manual_seed(0)
-    body: list[nn.Module] = []
-    for _ in range(RANK_BN_LAYERS):
-        body += [nn.Conv2d(D, D, 1, bias=False), nn.BatchNorm2d(D), _Sums(), nn.ReLU()]
-    net = nn.Sequential(*body, nn.Flatten(), nn.Linear(D * 4, CLASSES)).to(memory_format=torch.channels_last)
-    model = nn.parallel.DistributedDataParallel(net.to(device))
-    return Case(_accumulating(model, device), *_batches(k, rank, _images))
-
-
 def syncbatchnorm(k: int, device: str, rank: int = 0) -> Case:
     """``nn.SyncBatchNorm`` (``convert_sync_batchnorm``): the step gives it the across-ranks
     semantics. Replicated by hand (``process_group=``, as tests/test_batchnorm_ranks.py does):
@@ -503,7 +464,7 @@ def syncbatchnorm(k: int, device: str, rank: int = 0) -> Case:
 
 SINGLE = {f.__name__: f for f in (plain, device_counts, batchnorm, tokens, cached_loss, accumulate, hand_loop,
                                    hand_tokens, leak)}
-RANKED = {f.__name__: f for f in (ddp, fsdp2, hand_fsdp2, batchnorm_across_ranks, syncbatchnorm, hand_ranks)}
+RANKED = {f.__name__: f for f in (ddp, fsdp2, hand_fsdp2, batchnorm_across_ranks, syncbatchnorm)}
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -563,6 +524,12 @@ def run_case(name: str, k: int, device: str) -> dict:
         return {"case": name, "k": k, "device": device, **measure(SINGLE[name](k, device), device)}
     sys.path.insert(0, str(ROOT / "tests"))
     from ddp_harness import run_world
+
+    # PyTorch's flight recorder keeps an entry (about 1 KiB, with its Python stack) for each of the
+    # last 2,000 collectives: bounded, but not flat over the first 2,000, so that a step of 1,024
+    # micro-batches would show it (+1.8 MiB of live heap in FSDP2's own loop, +1 MiB under
+    # two-rank BatchNorm; none with it off). The ranks run without it, unless it is asked for.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
 
     ranks = run_world(_rank, name, k, device, timeout=WORLD_TIMEOUT_S)
     worst = max(ranks, key=lambda r: r["rise_mib"])
