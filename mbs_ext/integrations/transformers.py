@@ -112,7 +112,27 @@ def loss_shifts_labels(model: nn.Module) -> bool:
     return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-class StreamingTrainer(Trainer):
+class _StreamState(Trainer):
+    """A Trainer whose checkpoints also hold the streaming trainer's own state (the gradient
+    noise's moving averages, ``noise_scale``): saved beside the optimizer's state in each
+    checkpoint folder, loaded where the Trainer loads that, so ``train(resume_from_checkpoint=...)``
+    resumes them with everything else."""
+
+    noise_scale: NoiseScale
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save({"noise": self.noise_scale.state_dict()}, os.path.join(output_dir, STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, STATE_NAME) if checkpoint is not None else None
+        if path is not None and os.path.isfile(path):  # a checkpoint of a plain Trainer has none
+            self.noise_scale.load_state_dict(torch.load(path, weights_only=True)["noise"])
+
+
+class StreamingTrainer(_StreamState):
     """A ``transformers.Trainer`` that streams each training batch in micro-batches.
 
     ``micro_batch_size``: rows per micro-batch (an int, or ``"auto"`` with
@@ -248,19 +268,6 @@ class StreamingTrainer(Trainer):
         dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
         return torch.tensor(result.loss, dtype=dtype, device=self.args.device)
 
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The Trainer's optimizer and scheduler states, and beside them this trainer's own (the
-        gradient noise's moving averages), so ``train(resume_from_checkpoint=...)`` resumes them."""
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            torch.save({"noise": self.noise_scale.state_dict()}, os.path.join(output_dir, STATE_NAME))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, STATE_NAME) if checkpoint is not None else None
-        if path is not None and os.path.isfile(path):  # a checkpoint of a plain Trainer has none
-            self.noise_scale.load_state_dict(torch.load(path, weights_only=True)["noise"])
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the gradient noise beside the training loss: the latest step's
