@@ -44,6 +44,18 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and mbs
 DEVICE_PARAMS = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
 
 
+def graph_recorder() -> tuple[Any, list]:
+    """A ``torch.compile`` backend that runs each graph dynamo hands it as traced, and the list it
+    appends those graphs to: how many graphs a run compiled (a recompile is one more)."""
+    graphs: list = []
+
+    def recording(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    return recording, graphs
+
+
 def reference_model(model: nn.Module) -> nn.Module:
     """An independent float64 copy of ``model`` on the host, for full-batch references."""
     return copy.deepcopy(model).to("cpu", torch.float64)

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from common import graph_recorder
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -62,24 +63,35 @@ def _train(parts, schedule, data, steps: int, sizes: list | None = None) -> None
         streamer.step(data, indices=order.next(size))
 
 
-def _state(parts, schedule) -> bytes:
-    model, opt, streamer, order = parts
+def _saved(**stateful) -> bytes:
+    """The ``state_dict()`` of each of ``stateful`` (by name), saved as one checkpoint."""
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "streamer": streamer.state_dict(),
-                "order": order.state_dict(), "schedule": getattr(schedule, "state_dict", dict)()}, buf)
+    torch.save({name: obj.state_dict() for name, obj in stateful.items()}, buf)
     return buf.getvalue()
 
 
-def _resumed(blob: bytes, kind: str):
+def _restore(blob: bytes, **stateful) -> None:
+    """Each of ``stateful`` loads its state from the checkpoint ``blob`` (:func:`_saved`)."""
     state = torch.load(io.BytesIO(blob), weights_only=True)
-    parts, schedule = _parts(seed=99), _schedule(kind)  # other weights: everything must come from the state
+    for name, obj in stateful.items():
+        obj.load_state_dict(state[name])
+
+
+def _stateful(parts, schedule) -> dict:
+    """What a scheduled run resumes from: model, optimizer, streamer, order, and the schedule
+    where it has a state (the autopilot)."""
     model, opt, streamer, order = parts
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    streamer.load_state_dict(state["streamer"])
-    order.load_state_dict(state["order"])
-    if hasattr(schedule, "load_state_dict"):
-        schedule.load_state_dict(state["schedule"])
+    extra = {"schedule": schedule} if hasattr(schedule, "state_dict") else {}
+    return {"model": model, "opt": opt, "streamer": streamer, "order": order, **extra}
+
+
+def _state(parts, schedule) -> bytes:
+    return _saved(**_stateful(parts, schedule))
+
+
+def _resumed(blob: bytes, kind: str):
+    parts, schedule = _parts(seed=99), _schedule(kind)  # other weights: everything must come from the state
+    _restore(blob, **_stateful(parts, schedule))
     return parts, schedule
 
 
@@ -274,11 +286,7 @@ def _leg_parts(blob: bytes | None, world: int):
     streamer = mbs_ext.MicroBatchStreamer(model, opt, nn.CrossEntropyLoss(), micro_batch_size=6)
     order = mbs_ext.SampleOrder(ROWS, seed=3)
     if blob is not None:
-        state = torch.load(io.BytesIO(blob), weights_only=True)
-        net.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        streamer.load_state_dict(state["streamer"])
-        order.load_state_dict(state["order"])
+        _restore(blob, model=net, opt=opt, streamer=streamer, order=order)
     return net, opt, streamer, order
 
 
@@ -290,10 +298,7 @@ def _leg(rank: int, blob: bytes | None, sizes: list[int], world: int) -> tuple[b
         rows = order.next(size, rank=rank, world=world)
         took.append(rows.tolist())
         streamer.step(data, indices=rows)
-    buf = io.BytesIO()
-    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "streamer": streamer.state_dict(),
-                "order": order.state_dict()}, buf)
-    return buf.getvalue(), took
+    return _saved(model=net, opt=opt, streamer=streamer, order=order), took
 
 
 @pytest.mark.multiprocess
@@ -335,21 +340,14 @@ def _loader_run(steps: int, blob: bytes | None = None, seed: int = 0):
     loader = StatefulDataLoader(torch.utils.data.TensorDataset(*_data()),
                                 batch_sampler=mbs_ext.MiniBatches(order, _schedule("ramp")))
     if blob is not None:
-        state = torch.load(io.BytesIO(blob), weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        streamer.load_state_dict(state["streamer"])
-        loader.load_state_dict(state["loader"])
+        _restore(blob, model=model, opt=opt, streamer=streamer, loader=loader)
     batches = iter(loader)
     for _ in range(steps):
         x, y = next(batches)
         for group in opt.param_groups:
             group["lr"] = mbs_ext.scaled_lr(1e-2, 16, len(x), "sqrt")
         streamer.step((x, y))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "streamer": streamer.state_dict(),
-                "loader": loader.state_dict()}, buf)
-    return parts, buf.getvalue()
+    return parts, _saved(model=model, opt=opt, streamer=streamer, loader=loader)
 
 
 def test_a_stateful_dataloader_over_the_order_resumes_bit_identical():
@@ -383,12 +381,7 @@ def test_a_changing_batch_size_compiles_no_more_graphs(multiple_of):
     micro-batch (6 rows): every micro-batch has 6 rows, one graph. Any size: the last micro-batch
     of a step is smaller, and dynamo traces the rows as a symbol from the second shape on: at most
     one graph more (and one for a single row, which dynamo specializes)."""
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    counting, graphs = graph_recorder()
     torch._dynamo.reset()
     data = _data()
     model, opt, _, order = _parts()

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from common import graph_recorder
 from torch import nn
 
 import mbs_ext
@@ -356,12 +357,7 @@ def test_ranks_with_different_token_micro_batches_equal_one_process(wrapper):
 
 @pytest.mark.slow  # dynamo traces the model
 def test_compiled_model_is_not_recompiled_per_shape():
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    counting, graphs = graph_recorder()
     torch._dynamo.reset()
     model = TinyLM()
     compiled = torch.compile(model, backend=counting)
