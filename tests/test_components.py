@@ -56,8 +56,8 @@ class TestStepOptions:
 
 def _normalizer(rule, sizes):
     """The normalizer of one process, its count source chosen as the step chooses it."""
-    source = counts.choose(rule, None, None, sizes, torch.device("cpu"), alone=True)
-    return normalize.Normalizer(rule, source, num_micro_batches=len(sizes), device=torch.device("cpu"))
+    source = counts.choose(rule, None, None, sizes, torch.device("cpu"))
+    return normalize.Normalizer(rule, source, num_micro_batches=len(sizes), device=torch.device("cpu"), alone=True)
 
 
 def _ranges(sizes):
@@ -122,26 +122,27 @@ class TestNormalizer:
 
     @staticmethod
     def _one_micro_batch(loss, count):
-        """A class-target rule over one micro-batch with this loss; the count it would take."""
+        """A class-target rule over one micro-batch of one process with this loss and count."""
         calls = []
         rule = normalize.Rule("count", lambda mb: calls.append(mb) or count, "targets", per_row=lambda t: 1)
         norm = _normalizer(rule, [4])
-        assert norm.weight(norm.count("mb", (0, 4))) == 1.0  # one micro-batch weighs 1 whatever its count
+        weight = norm.weight(norm.count("mb", (0, 4)))
         norm.add_loss(torch.tensor(loss, dtype=torch.float64), 1.0)
         norm.settle()
-        return norm, [float(v) for v in norm.device_values()], calls
+        return norm, weight, [float(v) for v in norm.device_values()], calls
 
-    def test_one_micro_batch_takes_no_target_count_while_its_loss_is_finite(self):
-        norm, read, calls = self._one_micro_batch(1.5, 0.0)
-        assert norm.check(*read) == 1.5 and calls == []
-        several = counts.choose(norm.rule, None, None, [2, 2], torch.device("cpu"), alone=True)
-        assert not isinstance(several, counts.Trusted)  # several micro-batches: counts weigh them
+    def test_one_micro_batch_alone_takes_its_count_as_the_total(self):
+        norm, weight, read, calls = self._one_micro_batch(1.5, 3.0)
+        assert weight == 1.0 and norm.exact and calls == ["mb"]  # exact from its own count: no rescale
+        assert norm.check(*read) == 1.5
+        several = _normalizer(norm.rule, [2, 2])
+        several.count("mb", (0, 2))
+        assert not several.exact  # several micro-batches: weighed provisionally until the total is known
 
-    def test_one_micro_batch_counts_its_targets_when_its_loss_is_not_finite(self):
-        norm, read, calls = self._one_micro_batch(float("nan"), 3.0)
-        assert math.isnan(norm.check(*read)) and calls == ["mb"]  # NaN for another reason: not divided
-        norm, read, calls = self._one_micro_batch(float("nan"), 0.0)
-        with pytest.raises(ValueError, match="sum to 0"):  # torch's mean over no items
+    def test_one_micro_batch_with_no_items_fails_as_any_split_does(self):
+        norm, weight, read, calls = self._one_micro_batch(float("nan"), 0.0)  # torch's mean over no items
+        assert weight == 0.0
+        with pytest.raises(ValueError, match="sum to 0"):
             norm.check(*read)
 
 
@@ -373,8 +374,8 @@ class TestCountSources:
 
     CPU = torch.device("cpu")
 
-    def _choose(self, rule, sizes, targets=None, alone=True):
-        return counts.choose(rule, targets, None, sizes, self.CPU, alone=alone)
+    def _choose(self, rule, sizes, targets=None):
+        return counts.choose(rule, targets, None, sizes, self.CPU)
 
     def test_choice_follows_the_rule_the_targets_and_the_world(self):
         from mbs_ext.counts import loss
@@ -382,8 +383,7 @@ class TestCountSources:
         ce = loss.rule_for(nn.CrossEntropyLoss(ignore_index=0), None)
         targets = torch.tensor([0, 1, 2, 0, 1])
         assert isinstance(self._choose(normalize.rule_of("samples"), [3, 2]), counts.Fixed)
-        assert isinstance(self._choose(ce, [5], targets), counts.Trusted)  # one micro-batch, alone
-        assert isinstance(self._choose(ce, [5], targets, alone=False), counts.Ahead)  # ranks weigh it
+        assert isinstance(self._choose(ce, [5], targets), counts.Ahead)  # one micro-batch too: its count is taken
         assert isinstance(self._choose(ce, [3, 2], targets), counts.Ahead)
         assert isinstance(self._choose(ce, [3, 2]), counts.Called)  # no host targets
         assert isinstance(self._choose(normalize.rule_of(lambda mb: 1.0), [3, 2], targets), counts.Called)
@@ -414,13 +414,6 @@ class TestCountSources:
         assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float64 and float(kept) == 3.0
         with pytest.raises(ValueError, match="shape"):
             source.take(None, (4, 5))
-
-    def test_trusted_counts_one_and_takes_the_count_only_when_asked(self):
-        calls = []
-        rule = normalize.Rule("count", lambda mb: calls.append(mb) or 0.0, "targets", per_row=lambda t: 1)
-        source = self._choose(rule, [4])
-        assert source.take("mb", (0, 4)) == 1.0 and source.total() == 1.0 and calls == []
-        assert source.zero_on_recount() and calls == ["mb"]
 
 
 class TestOneProcessWorld:

@@ -8,7 +8,7 @@ label_smoothing, margins...). A class without a case fails
 
 Each case runs with reduction "mean" (and "batchmean" for KLDivLoss) and "sum" on N=23
 rows at micro_batch_size 4 and 7 (6 and 4 micro-batches of unequal sizes) and 23 (one micro-batch,
-whose weight is 1 without its count being taken: ``counts.Trusted``) and is compared
+whose count is the total: weight 1, exact from the start) and is compared
 with one ordinary full-batch step of a deep copy: every parameter's update (stricter than
 the parameter itself) and ``r.loss`` to 1e-10 relative. ``reduction="none"`` is refused
 and leaves parameters, buffers, gradients and optimizer state as they were.

@@ -19,7 +19,6 @@ nothing here reads a device value or talks to other ranks.
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,8 +61,10 @@ class Normalizer:
     micro-batches, and nothing is read from a device before the step's one sync.
     """
 
-    def __init__(self, rule: Rule, source: Source, *, num_micro_batches: int, device: torch.device) -> None:
+    def __init__(self, rule: Rule, source: Source, *, num_micro_batches: int, device: torch.device,
+                 alone: bool = False) -> None:
         self.rule, self.source = rule, source
+        self.alone = alone  # no other rank weighs this one's counts
         self.num_mb = num_micro_batches
         self.device = device
         self.is_sum = rule.kind == "sum"
@@ -100,7 +101,11 @@ class Normalizer:
         self.rows_of[2 * k], self.rows_of[2 * k + 1] = rows
         c = self.source.take(micro_batch, rows)
         self.ledger.count(k, c)
-        if self.denom is None:
+        if self.denom is None and self.alone and self.num_mb == 1:
+            # One micro-batch and no other rank: its count is the total, every weight exact (a host
+            # 0 weighs 1 here and check() fails the step, as a zero total does at any split).
+            self.fix(c if isinstance(c, torch.Tensor) else c or 1.0)
+        elif self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c
 
@@ -160,8 +165,6 @@ class Normalizer:
             if invalid_at:
                 where = f"at {self.describe(int(invalid_at) - 1)}"
             raise ValueError(f"{INVALID_COUNT}; {self.rule.source} returned an invalid count {where}")
-        if not math.isfinite(loss_sum) and self.source.zero_on_recount():
-            total = 0.0  # the count taken on trust (counts.Trusted) was 0
         if total == 0:
             raise ValueError(
                 "normalize: the counts of the whole mini-batch sum to 0 (no loss items); the mean loss is undefined"
@@ -179,12 +182,12 @@ def for_step(rule: Rule, batch: Any, info: Any, sizes: list[int], device: torch.
     says two things only: whether it needs this rank's total before the first micro-batch
     (``ahead``: FSDP2, paired BatchNorm micro-batches, for their agreement) and whether no
     other rank weighs this one's counts (``alone``: then a total the source knows ahead is exact
-    at once)."""
+    at once, and so is the count of a lone micro-batch when it is taken)."""
     if ahead:
         source: Source = sources.ahead(rule, batch, info, sizes, device)
     else:
-        source = sources.choose(rule, info.targets, info.indices, sizes, device, alone=alone)
-    normalizer = Normalizer(rule, source, num_micro_batches=len(sizes), device=device)
+        source = sources.choose(rule, info.targets, info.indices, sizes, device)
+    normalizer = Normalizer(rule, source, num_micro_batches=len(sizes), device=device, alone=alone)
     if alone and normalizer.denom is not None:
         normalizer.fix(normalizer.denom)
     return normalizer

@@ -12,11 +12,6 @@ The count rule (:class:`~mbs_ext.counts.normalize.Rule`) says *what* a micro-bat
 * :class:`Called` - the rule is called on each micro-batch as it streams (a user's count
   callable, targets on the device): a host number checked at once, or a device tensor
   checked on the device when the step settles (no read).
-* :class:`Trusted` - one micro-batch in one process weighs 1 whatever its count, and its
-  mean loss is the mini-batch's: the count is taken only where it can matter, when the
-  loss is not finite (torch's mean over no items is NaN). Taking it every step would cost
-  a reduction over the targets and a read, on the path of every step that fits in one
-  micro-batch (the planner's common answer on a large device).
 
 The :class:`~mbs_ext.counts.normalize.Normalizer` only asks a source for the next count and,
 where it has one, the total ahead.
@@ -67,9 +62,6 @@ class Fixed:
     def total(self) -> Count | None:
         return self._total
 
-    def zero_on_recount(self) -> bool:
-        return False
-
 
 class Ahead:
     """Every count, taken before the first micro-batch."""
@@ -88,9 +80,6 @@ class Ahead:
         if isinstance(total, torch.Tensor):
             return total
         return total or 1.0  # zero: every micro-batch is skipped, the check fails
-
-    def zero_on_recount(self) -> bool:
-        return False
 
 
 class Called:
@@ -116,39 +105,15 @@ class Called:
     def total(self) -> Count | None:
         return None
 
-    def zero_on_recount(self) -> bool:
-        return False
 
-
-class Trusted:
-    """One micro-batch in one process: weight 1; its count is taken only if its loss is not finite."""
-
-    def __init__(self, count: Callable[[Any], Any], source: str) -> None:
-        self.count, self.source = count, source
-        self.micro_batch: Any = None
-
-    def take(self, micro_batch: Any, rows: tuple[int, int]) -> Count:
-        self.micro_batch = micro_batch
-        return 1.0
-
-    def total(self) -> Count | None:
-        return 1.0
-
-    def zero_on_recount(self) -> bool:
-        """Whether the count trusted to be 1 was 0 (asked only when the loss is not finite)."""
-        return self.micro_batch is not None and check_count(self.count(self.micro_batch), self.source) == 0
-
-
-Source = Fixed | Ahead | Called | Trusted
+Source = Fixed | Ahead | Called
 
 
 def choose(rule: Any, targets: torch.Tensor | None, indices: torch.Tensor | None, sizes: list[int],
-           device: torch.device, alone: bool) -> Source:
-    """The source of a step's counts: ``alone`` when no other rank weighs this one's counts."""
+           device: torch.device) -> Source:
+    """The source of a step's counts."""
     if rule.kind != "count":
         return Fixed(rule.kind, sum(sizes), len(sizes))
-    if alone and len(sizes) == 1 and rule.per_row is not None:
-        return Trusted(rule.count, rule.source)
     ahead = counts_ahead(rule, targets, indices, sizes)
     return Called(rule.count, rule.source, device) if ahead is None else Ahead(ahead)
 
@@ -188,7 +153,7 @@ def local_total(counts: list[Count]) -> Count:
 def ahead(rule: Any, batch: Any, info: Any, sizes: list[int], device: torch.device) -> Ahead:
     """Every count of a rank's micro-batches, taken before the first one (an agreement across
     ranks needs this rank's total)."""
-    source = choose(rule, info.targets, info.indices, sizes, device, alone=False)
+    source = choose(rule, info.targets, info.indices, sizes, device)
     if isinstance(source, Ahead):
         return source
     called = isinstance(source, Called)
