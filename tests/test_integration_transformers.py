@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 import warnings
 
 import pytest
@@ -402,3 +403,86 @@ def test_two_gloo_ranks_equal_the_full_batch_trainer(tmp_path):
         assert r["logged"] == pytest.approx(logged_losses(ref), rel=1e-6)  # float32 logging, as above
         ref_norms = [e["grad_norm"] for e in ref.state.log_history if "grad_norm" in e]
         assert r["grad_norms"] == pytest.approx(ref_norms, rel=1e-9)
+
+
+class RecordingTrainer(StreamingTrainer):
+    """A StreamingTrainer that keeps each step's input ids, to check which rows it trained on."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(inputs["input_ids"].clone())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def scheduled(tmp_path, steps: int, **kw) -> RecordingTrainer:
+    """A trainer whose sizes are 5, 5, 5, 9, 9, 13... rows (Steps, on the samples clock): the
+    order crosses the 23-row epoch at step 4."""
+    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))))
+    return RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
+                            options=mbs_ext.StepOptions(micro_batch_size=M),
+                            args=training_args(tmp_path, steps, **kw))
+
+
+def test_a_scheduled_trainer_trains_on_the_orders_rows_and_resumes_on_them(tmp_path):
+    """``mini_batches=``: each step's batch is the next rows of the seeded order at the size the
+    schedule gives (replayed here with a fresh order), and a run stopped at a step-3 checkpoint
+    and resumed from it trains on the same rows as the run that was not stopped and ends with its
+    weights, where the Trainer's own resume would skip three batches of its own size."""
+    whole = scheduled(tmp_path / "whole", 6)
+    whole.train()
+    order, sizes = mbs_ext.SampleOrder(N, seed=7), [5, 5, 5, 9, 9, 13]
+    assert [int(ids.shape[0]) for ids in whole.seen] == sizes
+    for ids, size in zip(whole.seen, sizes):
+        assert torch.equal(ids, Rows().ids[order.next(size)])
+    first = scheduled(tmp_path / "cut", 6, save_strategy="steps", save_steps=3)
+    first.train()
+    resumed = scheduled(tmp_path / "cut", 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    assert len(resumed.seen) == 3 and resumed.mini_batches.order.samples_seen == sum(sizes)
+    for ids, want in zip(resumed.seen, whole.seen[3:]):
+        assert torch.equal(ids, want)
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_autopilot_reads_the_trainers_noise(tmp_path):
+    """An Autopilot handed in without ``noise`` reads the trainer's own estimate: each step's size
+    is the one a second Autopilot chooses from the ``B_simple`` the trainer logged a step before."""
+    def pilot():
+        return mbs_ext.Autopilot(minimum=4, maximum=16, k=1.0, hysteresis=0.0, max_rel_stderr=None)
+
+    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=1), pilot())
+    trainer = RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
+                               options=mbs_ext.StepOptions(micro_batch_size=2, noise_scale=True),
+                               args=training_args(tmp_path, 5))
+    trainer.train()
+    assert batches.noise() is trainer.last_stream_result.noise
+    logged = [types.SimpleNamespace(b_simple=e.get("b_simple")) for e in trainer.state.log_history if "loss" in e]
+    replay, seen, want = pilot(), 0, []
+    for noise in [None, *logged[:-1]]:
+        want.append(replay.size(seen, noise))
+        seen += want[-1]
+    sizes = [int(ids.shape[0]) for ids in trainer.seen]
+    assert sizes == want and len(set(sizes)) > 1, (sizes, [n.b_simple for n in logged])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"dataloader_num_workers": 2}, "dataloader_num_workers=0"),
+    ({"max_steps": -1}, "max_steps"),
+])
+def test_a_schedule_refuses_what_would_lose_its_place(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        scheduled(tmp_path, 3, **change)
+
+
+def test_a_schedule_refuses_another_ranks_share_or_another_dataset(tmp_path):
+    for batches, match in [
+        (mbs_ext.MiniBatches(mbs_ext.SampleOrder(N), 4, rank=1, world=2), "rank=args.process_index"),
+        (mbs_ext.MiniBatches(mbs_ext.SampleOrder(N + 1), 4), "SampleOrder\\(len\\(train_dataset\\)\\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            StreamingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches, micro_batch_size=M,
+                             args=training_args(tmp_path, 3))

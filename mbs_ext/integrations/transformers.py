@@ -26,7 +26,9 @@ training step warns, naming ``loss_type`` and both counts (:func:`_warn_if_count
 
 The training DataLoader keeps batches on the host (pinned when
 ``dataloader_pin_memory``): the Trainer's prepared DataLoader would otherwise move each
-whole batch to the device, which is exactly what streaming avoids.
+whole batch to the device, which is exactly what streaming avoids. With ``mini_batches=``
+(a :class:`mbs_ext.MiniBatches`) it draws the rows of a sample order at a schedule's sizes,
+and checkpoints resume that order (docs/batch-schedules.md).
 
 Refused, when the Trainer is made: ``gradient_accumulation_steps > 1`` (a larger
 ``per_device_train_batch_size`` does the same exactly, with ``micro_batch_size`` bounding
@@ -39,6 +41,7 @@ This module imports ``transformers``; ``import mbs_ext`` does not import it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -47,9 +50,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.utils import is_datasets_available
 
 import mbs_ext
-from mbs_ext import StepOptions
+from mbs_ext import MiniBatches, StepOptions
 from mbs_ext.counts.noise import NoiseSample, NoiseScale
 from mbs_ext.messages import caller_stacklevel
 
@@ -113,23 +117,99 @@ def loss_shifts_labels(model: nn.Module) -> bool:
 
 
 class _StreamState(Trainer):
-    """A Trainer whose checkpoints also hold the streaming trainer's own state (the gradient
-    noise's moving averages, ``noise_scale``): saved beside the optimizer's state in each
-    checkpoint folder, loaded where the Trainer loads that, so ``train(resume_from_checkpoint=...)``
-    resumes them with everything else."""
+    """What the streaming trainer keeps from step to step: the gradient noise's moving averages
+    (``noise_scale``, logged beside the loss) and, where a schedule sizes the batches, the sample
+    order and schedule of ``mini_batches`` with the loader drawing from them. Both are saved beside the optimizer's
+    state in each checkpoint folder and loaded where the Trainer loads that, so
+    ``train(resume_from_checkpoint=...)`` resumes them with everything else. The order is global
+    (every rank's is the same), so the main process's copy is all ranks'."""
 
     noise_scale: NoiseScale
+    mini_batches: MiniBatches | None
+    last_stream_result: mbs_ext.StepResult | None
+
+    def _check_mini_batches(self, mini_batches: MiniBatches) -> None:
+        """A schedule's mini-batches come from ``mini_batches``, and the run resumes from its state.
+
+        The Trainer resumes its own loader by skipping as many batches as steps were taken, which
+        lands elsewhere once sizes change; the order resumes itself from the checkpoint (counted in
+        samples), so the skip is turned off (``ignore_data_skip``). A batch count is unknown ahead,
+        so ``max_steps`` ends the run (or the order's ``total_samples``, earlier). The loader draws in
+        this process (``dataloader_num_workers=0``): workers would draw mini-batches ahead of the
+        steps, and a checkpoint would then resume past rows never trained on. Under DDP each rank
+        takes its share of one global order: ``rank``/``world`` must be the process's. An
+        :class:`mbs_ext.Autopilot` without ``noise`` reads this trainer's (``noise_scale=True``)."""
+        args = self.args
+        if not isinstance(mini_batches, MiniBatches):
+            raise TypeError(f"mini_batches must be a mbs_ext.MiniBatches, got {type(mini_batches).__name__}")
+        if args.max_steps <= 0:
+            raise ValueError("StreamingTrainer: with mini_batches=, set TrainingArguments(max_steps=...): a schedule's "
+                             "number of batches per epoch is not known ahead")
+        if args.dataloader_num_workers:
+            raise ValueError(
+                f"StreamingTrainer: mini_batches= needs dataloader_num_workers=0 (got {args.dataloader_num_workers}): "
+                "workers draw mini-batches ahead of the steps, so a checkpoint's order would be ahead of the "
+                "training and a resumed run would skip rows"
+            )
+        if (mini_batches.rank, mini_batches.world) != (args.process_index, args.world_size):
+            raise ValueError(
+                f"mini_batches: rank={mini_batches.rank}, world={mini_batches.world}, but this process is rank "
+                f"{args.process_index} of {args.world_size}: build it with rank=args.process_index, "
+                "world=args.world_size (each rank takes its share of one global order)"
+            )
+        rows = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        if rows is not None and rows != mini_batches.order.rows:
+            raise ValueError(f"mini_batches: its SampleOrder has {mini_batches.order.rows} rows, train_dataset "
+                             f"{rows}: build it with SampleOrder(len(train_dataset))")
+        if mini_batches.noise is None:
+            mini_batches.noise = lambda: self.last_stream_result.noise if self.last_stream_result is not None else None
+        args.ignore_data_skip = True
+
+    def _mini_batch_loader(self) -> torch.utils.data.DataLoader:
+        """``train_dataset``'s rows in ``mini_batches``' order and sizes, collated as the Trainer
+        collates (columns the model does not take removed)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collate = self.train_dataset, self.data_collator
+        if is_datasets_available() and isinstance(dataset, importlib.import_module("datasets").Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        return torch.utils.data.DataLoader(dataset, batch_sampler=self.mini_batches, collate_fn=collate,
+                                           pin_memory=self.args.dataloader_pin_memory)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the gradient noise beside the training loss: the latest step's
+        ``noise_trace`` (S) and ``noise_grad_sq`` (|G|^2), and ``b_simple`` (with
+        ``b_simple_stderr``) once the run's moving averages give one."""
+        noise = self.last_stream_result.noise if self.last_stream_result is not None else None
+        if noise is not None and "loss" in logs and noise.trace is not None:
+            logs = {**logs, "noise_trace": noise.trace, "noise_grad_sq": noise.grad_sq}
+            if noise.b_simple is not None:
+                logs["b_simple"] = noise.b_simple
+            if noise.b_simple_stderr is not None:
+                logs["b_simple_stderr"] = noise.b_simple_stderr
+        super().log(logs, *args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            torch.save({"noise": self.noise_scale.state_dict()}, os.path.join(output_dir, STATE_NAME))
+            order = self.mini_batches.state_dict() if self.mini_batches is not None else None
+            torch.save({"noise": self.noise_scale.state_dict(), "mini_batches": order},
+                       os.path.join(output_dir, STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, STATE_NAME) if checkpoint is not None else None
-        if path is not None and os.path.isfile(path):  # a checkpoint of a plain Trainer has none
-            self.noise_scale.load_state_dict(torch.load(path, weights_only=True)["noise"])
+        if path is None or not os.path.isfile(path):  # a checkpoint of a plain Trainer has none
+            return
+        state = torch.load(path, weights_only=True)
+        self.noise_scale.load_state_dict(state["noise"])
+        if self.mini_batches is not None:
+            if state.get("mini_batches") is None:
+                raise ValueError(f"resume_from_checkpoint: {checkpoint} holds no sample order (it was saved "
+                                 "without mini_batches=), so where this run's data resumes is unknown")
+            self.mini_batches.load_state_dict(state["mini_batches"])
 
 
 class StreamingTrainer(_StreamState):
@@ -145,6 +225,9 @@ class StreamingTrainer(_StreamState):
     ``options``: further :class:`mbs_ext.StepOptions` fields (``accumulate_dtype``,
     ``autocast_dtype``...). ``max_grad_norm`` and ``scaler`` belong to the Trainer
     (``TrainingArguments.max_grad_norm``; the Accelerator's GradScaler under fp16).
+    ``mini_batches``: a :class:`mbs_ext.MiniBatches` over ``train_dataset``'s rows, for a batch
+    size that changes from step to step (a ramp, steps, the noise autopilot: docs/batch-schedules.md)
+    in place of ``per_device_train_batch_size``; see :meth:`_check_mini_batches`.
     Every other argument is the Trainer's.
     """
 
@@ -155,9 +238,13 @@ class StreamingTrainer(_StreamState):
         normalize: Any = None,
         options: StepOptions | None = None,
         micro_batch_tokens: int | str | None = None,
+        mini_batches: MiniBatches | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.mini_batches = mini_batches
+        if mini_batches is not None:
+            self._check_mini_batches(mini_batches)
         sizes = {"micro_batch_size": micro_batch_size} if micro_batch_size is not None or options is None else {}
         if micro_batch_tokens is not None:  # rows grouped by length, trimmed (docs/tokens.md)
             sizes["micro_batch_tokens"] = micro_batch_tokens
@@ -205,7 +292,11 @@ class StreamingTrainer(_StreamState):
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """The Trainer's training DataLoader, prepared by Accelerate (sharding, seeding) but without
-        device placement: each batch stays on the host and is streamed by mbs_ext."""
+        device placement: each batch stays on the host and is streamed by mbs_ext. With
+        ``mini_batches``, a loader over it, not prepared by Accelerate (each rank's share is the
+        order's, and Accelerate would shard the batches again)."""
+        if self.mini_batches is not None:
+            return self._mini_batch_loader()
         accelerator = self.accelerator
         placement = accelerator.device_placement
         accelerator.device_placement = False
@@ -267,20 +358,6 @@ class StreamingTrainer(_StreamState):
         self.last_stream_result = result
         dtype = self._tr_loss.dtype if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else torch.float32
         return torch.tensor(result.loss, dtype=dtype, device=self.args.device)
-
-
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's log, with the gradient noise beside the training loss: the latest step's
-        ``noise_trace`` (S) and ``noise_grad_sq`` (|G|^2), and ``b_simple`` (with
-        ``b_simple_stderr``) once the run's moving averages give one."""
-        noise = self.last_stream_result.noise if self.last_stream_result is not None else None
-        if noise is not None and "loss" in logs and noise.trace is not None:
-            logs = {**logs, "noise_trace": noise.trace, "noise_grad_sq": noise.grad_sq}
-            if noise.b_simple is not None:
-                logs["b_simple"] = noise.b_simple
-            if noise.b_simple_stderr is not None:
-                logs["b_simple_stderr"] = noise.b_simple_stderr
-        super().log(logs, *args, **kwargs)
 
 
 def _warn_if_counts_differ(trainer: StreamingTrainer, batch: Any) -> bool:
