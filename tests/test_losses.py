@@ -527,7 +527,7 @@ NOTHING_TO_AVERAGE = [  # a (model, loss, batch) whose loss has no item to avera
 @pytest.mark.parametrize("make", NOTHING_TO_AVERAGE)
 def test_a_mini_batch_with_nothing_to_average_is_an_error(make: Callable[[], tuple], m: int):
     """Every target ignored (or weighing 0): the mean is undefined. Refused at every split, also at
-    one micro-batch, where the count is taken only once the loss came out non-finite; the model's
+    one micro-batch, whose count is the total; the model's
     parameters, buffers, gradients and optimizer state are as before, for step and accumulate."""
     torch.manual_seed(0)
     model, loss, batch = make()
