@@ -151,6 +151,56 @@ def test_every_epoch_is_taken_exactly_once_at_any_sizes_and_the_ranks_share_one_
     assert order.samples_seen == len(taken) and order.epoch == len(taken) // ROWS
 
 
+def _lengths(seed: int = 2) -> torch.Tensor:
+    """Each of the ROWS rows' tokens: 0 to 40 (a few empty rows among them)."""
+    return torch.randint(0, 41, (ROWS,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_token_sized_mini_batches_take_the_fewest_rows_reaching_the_size_and_the_ranks_share_them():
+    """``next_tokens``: against the order written out (each epoch's permutation, concatenated),
+    every mini-batch is the shortest run of next rows whose tokens reach the size (one row per
+    rank at least), the ranks' shares are one rank's mini-batch, ``tokens_seen`` counts what was
+    taken, and a state saved anywhere resumes on the same rows."""
+    lengths, rng = _lengths(), random.Random(4)
+    written = torch.cat([mbs_ext.SampleOrder(ROWS, seed=5).permutation(e) for e in range(40)]).tolist()
+    one, at, seen = mbs_ext.SampleOrder(ROWS, seed=5), 0, 0
+    for step in range(60):
+        size = rng.choice([1, 7, rng.randrange(1, 3000)])  # up to about 1.5 epochs of tokens
+        want = 1
+        while sum(lengths[written[at:at + want]].tolist()) < size:
+            want += 1
+        want = max(want, 2)  # two ranks: one row each at least
+        both = [mbs_ext.SampleOrder(ROWS, seed=5) for _ in range(2)]
+        for o in both:
+            o.load_state_dict(one.state_dict())
+        two = torch.cat([o.next_tokens(size, lengths, rank=r, world=2) for r, o in enumerate(both)])
+        assert two.tolist() == written[at:at + want], step
+        assert torch.equal(one.next_tokens(size, lengths, world=2, rank=0), two[:(want + 1) // 2])
+        at, seen = at + want, seen + int(lengths[written[at:at + want]].sum())
+        assert (one.samples_seen, one.tokens_seen) == (at, seen) == (both[1].samples_seen, both[1].tokens_seen)
+
+
+def test_a_schedule_in_tokens_runs_on_the_tokens_clock_and_resumes():
+    """``MiniBatches(..., lengths=)``: a ramp in tokens reads ``tokens_seen``; a sampler restored
+    from another's ``state_dict`` goes on with the same rows; bad lengths are refused by name."""
+    lengths, ramp = _lengths(), mbs_ext.Ramp(start=100, end=900, over=5000, multiple_of=50)
+    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(ROWS, seed=1), ramp, lengths=lengths)
+    replay = mbs_ext.SampleOrder(ROWS, seed=1)
+    for _ in range(12):
+        size = ramp.size(replay.tokens_seen)
+        assert next(batches) == replay.next_tokens(size, lengths).tolist()
+    later = mbs_ext.MiniBatches(mbs_ext.SampleOrder(ROWS), ramp, lengths=lengths)
+    later.load_state_dict(batches.state_dict())
+    assert [next(later) for _ in range(5)] == [next(batches) for _ in range(5)]
+    for bad in (lengths[:-1], lengths.double(), -lengths, torch.zeros(ROWS, dtype=torch.long)):
+        with pytest.raises(ValueError, match="lengths must be"):
+            mbs_ext.MiniBatches(mbs_ext.SampleOrder(ROWS), 10, lengths=bad)
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        mbs_ext.SampleOrder(ROWS).next_tokens(0, lengths)
+    with pytest.raises(ValueError, match="every row has 0 tokens"):  # not checked ahead on this path: found
+        mbs_ext.SampleOrder(ROWS).next_tokens(5, torch.zeros(ROWS, dtype=torch.long))
+
+
 def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument():
     pilot = mbs_ext.Autopilot(minimum=16, maximum=256, k=2.0, hysteresis=0.25, multiple_of=8)
 

@@ -9,10 +9,14 @@ row is dropped). Its state - seed, epoch, samples into the epoch, samples and to
 few numbers; the permutation of an epoch is made again from ``(seed, epoch)``. Across ranks the
 order is global: every rank draws the same mini-batch and takes its own share of it
 (:meth:`SampleOrder.next` with ``rank`` and ``world``), so a run resumes at any world size.
-The rows go to the step as ``indices=`` into a dataset held on the host.
+A mini-batch may also be sized in tokens (:meth:`SampleOrder.next_tokens`: the fewest next rows
+whose lengths reach the size), which ``tokens_seen`` then counts. The rows go to the step as
+``indices=`` into a dataset held on the host.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -44,8 +48,24 @@ class SampleOrder:
         it (balanced contiguous parts, rank 0's first). Every rank calls it alike."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < world:
             raise ValueError(f"batch_size must be an int >= the number of ranks ({world}), got {batch_size!r}")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank must lie in [0, {world}), got {rank}")
+        _check_rank(rank, world)
+        return _share(self._take(batch_size), rank, world)
+
+    def next_tokens(self, tokens: int, lengths: torch.Tensor, rank: int = 0, world: int = 1) -> torch.Tensor:
+        """The next mini-batch of about ``tokens`` tokens: the fewest next rows of the order whose
+        ``lengths`` (each dataset row's tokens) add up to ``tokens`` or more (at least one row per
+        rank), and this rank's share of them. Their tokens are added to ``tokens_seen``, the clock
+        of a schedule in tokens. Every rank calls it alike."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+        check_lengths(lengths, self.rows, full=False)
+        _check_rank(rank, world)
+        rows = self._take(max(world, self._rows_reaching(tokens, lengths)))
+        self.tokens_seen += int(lengths[rows].sum())
+        return _share(rows, rank, world)
+
+    def _take(self, batch_size: int) -> torch.Tensor:
+        """The next ``batch_size`` rows of the global order (running on into the next epoch)."""
         parts, left = [], batch_size
         while left:
             take = min(left, self.rows - self.position)
@@ -55,10 +75,27 @@ class SampleOrder:
             if self.position == self.rows:
                 self.epoch, self.position = self.epoch + 1, 0
         self.samples_seen += batch_size
-        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
-        share, extra = divmod(batch_size, world)
-        start = rank * share + min(rank, extra)
-        return rows[start:start + share + (rank < extra)].clone()
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _rows_reaching(self, tokens: int, lengths: torch.Tensor) -> int:
+        """How many of the next rows it takes for their lengths to reach ``tokens`` (takes nothing):
+        running sums over windows of the order that double from 1,024 rows, so a step reads
+        about as many lengths as it takes rows, not the rest of the epoch."""
+        need, rows, epoch, position, window = tokens, 0, self.epoch, self.position, 1024
+        while True:
+            if position == self.rows:
+                epoch, position = epoch + 1, 0
+            part = lengths[self.permutation(epoch)[position:position + window]]
+            running = part.cumsum(0)
+            k = int(torch.searchsorted(running, need))
+            if k < part.numel():
+                return rows + k + 1
+            if rows >= 2 * self.rows and need == tokens:  # two epochs' rows: every row holds 0 tokens
+                raise ValueError("lengths: every row has 0 tokens, so no mini-batch reaches a size in tokens")
+            need -= int(running[-1])
+            rows += part.numel()
+            position += part.numel()
+            window *= 2
 
     def count_tokens(self, tokens: int) -> None:
         """Add a step's tokens (every rank's) to the count a token-based schedule reads."""
@@ -76,13 +113,42 @@ class SampleOrder:
         self.samples_seen, self.tokens_seen = int(state["samples_seen"]), int(state["tokens_seen"])
 
 
+def _check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must lie in [0, {world}), got {rank}")
+
+
+def _share(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s balanced contiguous part of a mini-batch's ``rows`` (rank 0's first)."""
+    share, extra = divmod(len(rows), world)
+    start = rank * share + min(rank, extra)
+    return rows[start:start + share + (rank < extra)].clone()
+
+
+def check_lengths(lengths: Any, rows: int, full: bool = True) -> None:
+    """``lengths``: one integer token count per dataset row (``full``: also none negative, some
+    above 0, an O(rows) pass made once where a schedule is set up)."""
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.numel() != rows or (
+            lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool
+            or lengths.device.type != "cpu"):
+        got = (f"{lengths.dtype} tensor of shape {tuple(lengths.shape)}" if isinstance(lengths, torch.Tensor)
+               else type(lengths).__name__)
+        raise ValueError(f"lengths must be a 1-D integer CPU tensor of each of the {rows} rows' tokens, got {got}")
+    if full and (int(lengths.min()) < 0 or int(lengths.sum()) == 0):
+        raise ValueError("lengths must be token counts >= 0, not all 0")
+
+
 class MiniBatches:
     """A batch sampler over a :class:`SampleOrder`: each item is the row indices of the next
     mini-batch, of ``size`` rows (an int, or a schedule answering ``size(samples_seen, noise)``:
     :class:`mbs_ext.Ramp`, :class:`mbs_ext.Steps`, :class:`mbs_ext.Autopilot` with ``noise``, the
     streamer's, or a function returning it where it is made later, as under Lightning:
     ``lambda: trainer.strategy.last_result and trainer.strategy.last_result.noise``), this rank's
-    share of it under ``rank``/``world``, until ``total_samples``.
+    share of it under ``rank``/``world``, until ``total_samples``. With ``lengths`` (each dataset
+    row's tokens, a 1-D integer tensor) sizes are in tokens: a mini-batch is the fewest next rows
+    reaching ``size`` tokens (:meth:`SampleOrder.next_tokens`), and a schedule's clock is
+    ``tokens_seen``, as Megatron's and DeepSeek's ramps count tokens; ``total_samples`` still
+    counts rows.
 
     Hand it to a DataLoader as ``batch_sampler=`` where the loader should gather the rows (a
     dataset read row by row, collated on the host), and to torchdata's ``StatefulDataLoader`` to
@@ -92,13 +158,16 @@ class MiniBatches:
     draws mini-batches ahead of the step, so an autopilot's sizes are decided that much earlier."""
 
     def __init__(self, order: SampleOrder, size: int | object, noise: object = None,
-                 total_samples: int | None = None, rank: int = 0, world: int = 1) -> None:
+                 total_samples: int | None = None, rank: int = 0, world: int = 1,
+                 lengths: torch.Tensor | None = None) -> None:
         if not isinstance(order, SampleOrder):
             raise TypeError(f"order must be a mbs_ext.SampleOrder, got {type(order).__name__}")
         if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1) and not callable(
                 getattr(size, "size", None)):
             raise ValueError(f"size must be an int >= 1 or a schedule with size(samples_seen, noise), got {size!r}")
-        self.order, self.size, self.noise = order, size, noise
+        if lengths is not None:
+            check_lengths(lengths, order.rows)
+        self.order, self.size, self.noise, self.lengths = order, size, noise, lengths
         self.total_samples, self.rank, self.world = total_samples, rank, world
 
     def __iter__(self) -> MiniBatches:
@@ -108,8 +177,12 @@ class MiniBatches:
         if self.total_samples is not None and self.order.samples_seen >= self.total_samples:
             raise StopIteration
         noise = self.noise() if callable(self.noise) else self.noise
-        size = self.size if isinstance(self.size, int) else self.size.size(self.order.samples_seen, noise)
-        return self.order.next(size, rank=self.rank, world=self.world).tolist()
+        order, lengths = self.order, self.lengths
+        clock = order.samples_seen if lengths is None else order.tokens_seen
+        size = self.size if isinstance(self.size, int) else self.size.size(clock, noise)
+        if lengths is None:
+            return order.next(size, rank=self.rank, world=self.world).tolist()
+        return order.next_tokens(size, lengths, rank=self.rank, world=self.world).tolist()
 
     def state_dict(self) -> dict:
         schedule = getattr(self.size, "state_dict", None)
