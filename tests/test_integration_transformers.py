@@ -486,3 +486,37 @@ def test_a_schedule_refuses_another_ranks_share_or_another_dataset(tmp_path):
         with pytest.raises(ValueError, match=match):
             StreamingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches, micro_batch_size=M,
                              args=training_args(tmp_path, 3))
+
+
+def _scheduled_rank(rank: int, out_dir: str) -> dict:
+    """One rank of a scheduled run on two gloo ranks: each takes its share of the one order."""
+    from ddp_harness import HOST
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR=HOST, MASTER_PORT="0")
+    args = training_args(out_dir, 6, ddp_backend="gloo")
+    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))),
+                                  rank=args.process_index, world=args.world_size)
+    trainer = RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
+                               options=mbs_ext.StepOptions(micro_batch_size=M), args=args)
+    trainer.train()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "seen": trainer.seen}
+
+
+@pytest.mark.multiprocess
+def test_a_scheduled_trainer_on_two_gloo_ranks_equals_it_on_one(tmp_path):
+    """Each rank trains on its share of every mini-batch of the one order (rank 0 the first half),
+    and the two ranks' steps equal the one-process scheduled run's to 1e-10."""
+    from ddp_harness import run_world
+
+    ranks = run_world(_scheduled_rank, str(tmp_path / "ranks"), timeout=240, out_dir=tmp_path / "world")
+    one = scheduled(tmp_path / "one", 6)
+    one.train()
+    for step, ids in enumerate(one.seen):
+        halves = [r["seen"][step] for r in ranks]
+        assert [int(h.shape[0]) for h in halves] == [(len(ids) + 1) // 2, len(ids) // 2]
+        assert torch.equal(torch.cat(halves), ids)
+    for r in ranks:
+        for p, q in zip(r["params"], one.model.parameters()):
+            err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-30)
+            assert err <= 1e-10, err

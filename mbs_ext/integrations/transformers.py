@@ -119,10 +119,10 @@ def loss_shifts_labels(model: nn.Module) -> bool:
 class _StreamState(Trainer):
     """What the streaming trainer keeps from step to step: the gradient noise's moving averages
     (``noise_scale``, logged beside the loss) and, where a schedule sizes the batches, the sample
-    order and schedule of ``mini_batches`` with the loader drawing from them. Both are saved beside the optimizer's
-    state in each checkpoint folder and loaded where the Trainer loads that, so
-    ``train(resume_from_checkpoint=...)`` resumes them with everything else. The order is global
-    (every rank's is the same), so the main process's copy is all ranks'."""
+    order and schedule of ``mini_batches`` with the loader drawing from them. Both are saved
+    beside the optimizer's state in each checkpoint folder and loaded where the Trainer loads
+    that, so ``train(resume_from_checkpoint=...)`` resumes them with everything else. The order
+    is global (every rank's is the same), so the main process's copy is all ranks'."""
 
     noise_scale: NoiseScale
     mini_batches: MiniBatches | None

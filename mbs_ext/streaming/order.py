@@ -58,7 +58,7 @@ class SampleOrder:
         of a schedule in tokens. Every rank calls it alike."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
-        check_lengths(lengths, self.rows, full=False)
+        _check_lengths(lengths, self.rows, full=False)
         _check_rank(rank, world)
         rows = self._take(max(world, self._rows_reaching(tokens, lengths)))
         self.tokens_seen += int(lengths[rows].sum())
@@ -125,7 +125,7 @@ def _share(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return rows[start:start + share + (rank < extra)].clone()
 
 
-def check_lengths(lengths: Any, rows: int, full: bool = True) -> None:
+def _check_lengths(lengths: Any, rows: int, full: bool = True) -> None:
     """``lengths``: one integer token count per dataset row (``full``: also none negative, some
     above 0, an O(rows) pass made once where a schedule is set up)."""
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.numel() != rows or (
@@ -166,7 +166,7 @@ class MiniBatches:
                 getattr(size, "size", None)):
             raise ValueError(f"size must be an int >= 1 or a schedule with size(samples_seen, noise), got {size!r}")
         if lengths is not None:
-            check_lengths(lengths, order.rows)
+            _check_lengths(lengths, order.rows)
         self.order, self.size, self.noise, self.lengths = order, size, noise, lengths
         self.total_samples, self.rank, self.world = total_samples, rank, world
 
