@@ -121,27 +121,31 @@ class TestNormalizer:
         assert float(norm.loss_sum) == 3.0
 
     @staticmethod
-    def _one_micro_batch(loss, count):
-        """A class-target rule over one micro-batch of one process with this loss and count."""
+    def _one_micro_batch(loss, count, on_device=False):
+        """A class-target rule over one micro-batch of one process with this loss and count (a
+        0-dim float64 tensor, as a count taken on the device is, where ``on_device``)."""
         calls = []
-        rule = normalize.Rule("count", lambda mb: calls.append(mb) or count, "targets", per_row=lambda t: 1)
+        taken = torch.tensor(count, dtype=torch.float64) if on_device else count
+        rule = normalize.Rule("count", lambda mb: calls.append(mb) or taken, "targets", per_row=lambda t: 1)
         norm = _normalizer(rule, [4])
         weight = norm.weight(norm.count("mb", (0, 4)))
         norm.add_loss(torch.tensor(loss, dtype=torch.float64), 1.0)
         norm.settle()
         return norm, weight, [float(v) for v in norm.device_values()], calls
 
-    def test_one_micro_batch_alone_takes_its_count_as_the_total(self):
-        norm, weight, read, calls = self._one_micro_batch(1.5, 3.0)
-        assert weight == 1.0 and norm.exact and calls == ["mb"]  # exact from its own count: no rescale
+    @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+    def test_one_micro_batch_alone_takes_its_count_as_the_total(self, on_device):
+        norm, weight, read, calls = self._one_micro_batch(1.5, 3.0, on_device)
+        assert float(weight) == 1.0 and norm.exact and calls == ["mb"]  # exact from its own count: no rescale
         assert norm.check(*read) == 1.5
         several = _normalizer(norm.rule, [2, 2])
         several.count("mb", (0, 2))
         assert not several.exact  # several micro-batches: weighed provisionally until the total is known
 
-    def test_one_micro_batch_with_no_items_fails_as_any_split_does(self):
-        norm, weight, read, calls = self._one_micro_batch(float("nan"), 0.0)  # torch's mean over no items
-        assert weight == 0.0
+    @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+    def test_one_micro_batch_with_no_items_fails_as_any_split_does(self, on_device):
+        norm, weight, read, calls = self._one_micro_batch(float("nan"), 0.0, on_device)  # a mean over no items
+        assert float(weight) == 0.0  # 0 over 1, not 0/0
         with pytest.raises(ValueError, match="sum to 0"):
             norm.check(*read)
 

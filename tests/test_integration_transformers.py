@@ -448,34 +448,68 @@ def test_a_scheduled_trainer_trains_on_the_orders_rows_and_resumes_on_them(tmp_p
         assert torch.equal(p, q)
 
 
-def test_the_autopilot_reads_the_trainers_noise(tmp_path):
-    """An Autopilot handed in without ``noise`` reads the trainer's own estimate: each step's size
-    is the one a second Autopilot chooses from the ``B_simple`` the trainer logged a step before."""
-    def pilot():
-        return mbs_ext.Autopilot(minimum=4, maximum=16, k=1.0, hysteresis=0.0, max_rel_stderr=None)
+def piloted(tmp_path, steps: int, **kw) -> RecordingTrainer:
+    """A trainer whose sizes an Autopilot chooses from the trainer's own noise (4 to 64 rows: here
+    it grows at every step, as this model's B_simple does)."""
+    pilot = mbs_ext.Autopilot(minimum=4, maximum=64, k=1.0, hysteresis=0.0, max_rel_stderr=None)
+    return RecordingTrainer(model=make_model(), train_dataset=Rows(),
+                            mini_batches=mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=1), pilot),
+                            options=mbs_ext.StepOptions(micro_batch_size=2, noise_scale=True),
+                            args=training_args(tmp_path, steps, **kw))
 
-    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=1), pilot())
-    trainer = RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
-                               options=mbs_ext.StepOptions(micro_batch_size=2, noise_scale=True),
-                               args=training_args(tmp_path, 5))
-    trainer.train()
-    assert batches.noise() is trainer.last_stream_result.noise
-    logged = [types.SimpleNamespace(b_simple=e.get("b_simple")) for e in trainer.state.log_history if "loss" in e]
-    replay, seen, want = pilot(), 0, []
+
+def test_the_autopilot_reads_the_trainers_noise_and_resumes_with_it(tmp_path):
+    """An Autopilot handed in without ``noise`` reads the trainer's moving averages: each step's
+    size is the one a second Autopilot chooses from the ``B_simple`` the trainer logged a step
+    before. Stopped at a step-2 checkpoint and resumed, the run chooses the same sizes (the
+    averages come back with the order: without them the third step would keep the second's size)
+    and ends with the same weights."""
+    whole = piloted(tmp_path / "whole", 5)
+    whole.train()
+    logged = [types.SimpleNamespace(b_simple=e.get("b_simple")) for e in whole.state.log_history if "loss" in e]
+    replay, seen, want = mbs_ext.Autopilot(minimum=4, maximum=64, k=1.0, hysteresis=0.0, max_rel_stderr=None), 0, []
     for noise in [None, *logged[:-1]]:
         want.append(replay.size(seen, noise))
         seen += want[-1]
-    sizes = [int(ids.shape[0]) for ids in trainer.seen]
-    assert sizes == want and len(set(sizes)) > 1, (sizes, [n.b_simple for n in logged])
+    sizes = [int(ids.shape[0]) for ids in whole.seen]
+    assert sizes == want and sizes[2] > sizes[1], (sizes, [n.b_simple for n in logged])
+    piloted(tmp_path / "cut", 5, save_strategy="steps", save_steps=2).train()
+    resumed = piloted(tmp_path / "cut", 5)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    assert [int(ids.shape[0]) for ids in resumed.seen] == sizes[2:]
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize(("change", "match"), [
     ({"dataloader_num_workers": 2}, "dataloader_num_workers=0"),
     ({"max_steps": -1}, "max_steps"),
+    ({"save_only_model": True}, "save_only_model=False"),
 ])
 def test_a_schedule_refuses_what_would_lose_its_place(tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
         scheduled(tmp_path, 3, **change)
+
+
+def test_a_schedule_does_not_resume_from_a_checkpoint_without_its_order(tmp_path):
+    """A checkpoint saved without ``mini_batches=`` (or a plain Trainer's, without mbs_ext's
+    state) cannot say where the order was: resuming a scheduled run from it is refused."""
+    StreamingTrainer(model=make_model(), train_dataset=Rows(), micro_batch_size=M,
+                     args=training_args(tmp_path / "plain", 2, save_strategy="steps", save_steps=2)).train()
+    saved = tmp_path / "plain" / "checkpoint-2"
+    with pytest.raises(ValueError, match="holds no sample order"):  # mbs_ext's state, without an order
+        scheduled(tmp_path / "again", 4).train(resume_from_checkpoint=str(saved))
+    (saved / "mbs_ext_state.pt").unlink()
+    with pytest.raises(ValueError, match="holds no sample order"):  # no mbs_ext state at all
+        scheduled(tmp_path / "again", 4).train(resume_from_checkpoint=str(saved))
+
+
+def test_an_autopilot_on_the_trainers_noise_needs_the_noise_measured(tmp_path):
+    pilot = mbs_ext.Autopilot(minimum=4, maximum=16)
+    with pytest.raises(ValueError, match="noise_scale=True"):
+        StreamingTrainer(model=make_model(), train_dataset=Rows(), micro_batch_size=M,
+                         mini_batches=mbs_ext.MiniBatches(mbs_ext.SampleOrder(N), pilot),
+                         args=training_args(tmp_path, 3))
 
 
 def test_a_schedule_refuses_another_ranks_share_or_another_dataset(tmp_path):

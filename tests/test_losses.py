@@ -45,7 +45,7 @@ pytestmark = [
 
 D = torch.float64
 N, F_IN, C = 23, 5, 4
-SPLITS = [4, 7, N]  # 6 micro-batches (4,4,4,4,4,3), 4 (6,6,6,5), and one (whose count is not taken)
+SPLITS = [4, 7, N]  # 6 micro-batches (4,4,4,4,4,3), 4 (6,6,6,5), and one (its count the total)
 IGNORED_ROWS = [0, 1, 2, 3, 4, 5, 9, 14, 20]  # rows 0-5: the whole first micro-batch at m=4 and at m=7
 TOL = 1e-10
 
@@ -538,6 +538,20 @@ def test_a_mini_batch_with_nothing_to_average_is_an_error(make: Callable[[], tup
     assert_unchanged(before, model, loss, opt)
     with pytest.raises(ValueError, match="sum to 0"):
         mbs_ext.accumulate(model, batch, loss, micro_batch_size=m)
+    assert_unchanged(before, model, loss, opt)
+
+
+@pytest.mark.parametrize("m", SPLITS, ids=lambda m: f"m{m}")
+def test_class_weights_that_sum_below_zero_are_refused_at_every_split(m: int):
+    """A negative class weight makes a count negative: refused at every split, one micro-batch
+    included (its count is taken like any other), naming the count; nothing changes."""
+    torch.manual_seed(0)
+    model, loss = Net(C), nn.CrossEntropyLoss(weight=torch.tensor([1.0, -3.0, 1.0, 1.0], dtype=D))
+    batch = (x_in(), torch.ones(N, dtype=torch.long))  # every row of class 1: each count is negative
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = state_of(model, loss, opt)
+    with pytest.raises(ValueError, match="non-negative finite"):
+        mbs_ext.step(model, opt, batch, loss, micro_batch_size=m)
     assert_unchanged(before, model, loss, opt)
 
 

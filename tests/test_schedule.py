@@ -152,8 +152,10 @@ def test_every_epoch_is_taken_exactly_once_at_any_sizes_and_the_ranks_share_one_
 
 
 def _lengths(seed: int = 2) -> torch.Tensor:
-    """Each of the ROWS rows' tokens: 0 to 40 (a few empty rows among them)."""
-    return torch.randint(0, 41, (ROWS,), generator=torch.Generator().manual_seed(seed))
+    """Each of the ROWS rows' tokens: 1 to 40, and 0 in every ninth row (empty texts)."""
+    lengths = torch.randint(1, 41, (ROWS,), generator=torch.Generator().manual_seed(seed))
+    lengths[::9] = 0
+    return lengths
 
 
 def test_token_sized_mini_batches_take_the_fewest_rows_reaching_the_size_and_the_ranks_share_them():
@@ -180,6 +182,29 @@ def test_token_sized_mini_batches_take_the_fewest_rows_reaching_the_size_and_the
         assert (one.samples_seen, one.tokens_seen) == (at, seen) == (both[1].samples_seen, both[1].tokens_seen)
 
 
+def test_token_sizes_over_many_windows_and_epochs_match_one_running_sum():
+    """3,000 rows (the order reads lengths in windows from 1,024 rows, doubling) and sizes up to
+    about four epochs of tokens: each mini-batch ends where one running sum over the order written
+    out first reaches the tokens taken so far plus the size. An order that had made other
+    permutations, given this one's state, goes on alike."""
+    rows, rng = 3000, random.Random(7)
+    lengths = torch.randint(0, 10, (rows,), generator=torch.Generator().manual_seed(3))
+    written = torch.cat([mbs_ext.SampleOrder(rows, seed=11).permutation(e) for e in range(60)])
+    running = lengths[written].cumsum(0)
+    order, at = mbs_ext.SampleOrder(rows, seed=11), 0
+    for step in range(40):
+        size = rng.choice([1, rng.randrange(1, 60_000)])
+        before = int(running[at - 1]) if at else 0
+        end = int(torch.searchsorted(running, before + size)) + 1
+        assert torch.equal(order.next_tokens(size, lengths), written[at:end]), step
+        at = end
+        assert order.tokens_seen == int(running[at - 1])
+    used = mbs_ext.SampleOrder(rows, seed=5)
+    used.next(2000)  # its own permutations made, of another seed
+    used.load_state_dict(order.state_dict())
+    assert torch.equal(used.next_tokens(5000, lengths), order.next_tokens(5000, lengths))
+
+
 def test_a_schedule_in_tokens_runs_on_the_tokens_clock_and_resumes():
     """``MiniBatches(..., lengths=)``: a ramp in tokens reads ``tokens_seen``; a sampler restored
     from another's ``state_dict`` goes on with the same rows; bad lengths are refused by name."""
@@ -199,6 +224,8 @@ def test_a_schedule_in_tokens_runs_on_the_tokens_clock_and_resumes():
         mbs_ext.SampleOrder(ROWS).next_tokens(0, lengths)
     with pytest.raises(ValueError, match="every row has 0 tokens"):  # not checked ahead on this path: found
         mbs_ext.SampleOrder(ROWS).next_tokens(5, torch.zeros(ROWS, dtype=torch.long))
+    with pytest.raises(ValueError, match="negative"):  # nor this: found in the lengths read
+        mbs_ext.SampleOrder(ROWS).next_tokens(10**6, torch.cat([lengths[:-1], torch.tensor([-1])]))
 
 
 def test_the_autopilot_follows_the_noise_up_only_and_refusals_name_the_argument():

@@ -102,9 +102,10 @@ class Normalizer:
         c = self.source.take(micro_batch, rows)
         self.ledger.count(k, c)
         if self.denom is None and self.alone and self.num_mb == 1:
-            # One micro-batch and no other rank: its count is the total, every weight exact (a host
-            # 0 weighs 1 here and check() fails the step, as a zero total does at any split).
-            self.fix(c if isinstance(c, torch.Tensor) else c or 1.0)
+            # One micro-batch and no other rank: its count is the total, its weight exactly 1. A
+            # count of 0 divides by 1 instead (weight 0, not 0/0), and check() fails the step, as a
+            # zero total does at any split.
+            self.fix(torch.where(c > 0, c, 1.0) if isinstance(c, torch.Tensor) else c or 1.0)
         elif self.denom is None:
             self.denom = c.clamp(min=1.0) * self.num_mb if isinstance(c, torch.Tensor) else max(c, 1.0) * self.num_mb
         return c

@@ -53,7 +53,7 @@ from transformers import Trainer
 from transformers.utils import is_datasets_available
 
 import mbs_ext
-from mbs_ext import MiniBatches, StepOptions
+from mbs_ext import Autopilot, MiniBatches, StepOptions
 from mbs_ext.counts.noise import NoiseSample, NoiseScale
 from mbs_ext.messages import caller_stacklevel
 
@@ -128,7 +128,7 @@ class _StreamState(Trainer):
     mini_batches: MiniBatches | None
     last_stream_result: mbs_ext.StepResult | None
 
-    def _check_mini_batches(self, mini_batches: MiniBatches) -> None:
+    def _check_mini_batches(self, mini_batches: MiniBatches, noise_scale: bool) -> None:
         """A schedule's mini-batches come from ``mini_batches``, and the run resumes from its state.
 
         The Trainer resumes its own loader by skipping as many batches as steps were taken, which
@@ -138,13 +138,19 @@ class _StreamState(Trainer):
         this process (``dataloader_num_workers=0``): workers would draw mini-batches ahead of the
         steps, and a checkpoint would then resume past rows never trained on. Under DDP each rank
         takes its share of one global order: ``rank``/``world`` must be the process's. An
-        :class:`mbs_ext.Autopilot` without ``noise`` reads this trainer's (``noise_scale=True``)."""
+        :class:`mbs_ext.Autopilot` without ``noise`` reads this trainer's moving averages
+        (``noise_scale``, restored from a checkpoint with the order, so a resumed run sizes its
+        next batch as the first run did), so it needs ``noise_scale=True``.
+        Checkpoints must hold the order: ``save_only_model`` is refused."""
         args = self.args
         if not isinstance(mini_batches, MiniBatches):
             raise TypeError(f"mini_batches must be a mbs_ext.MiniBatches, got {type(mini_batches).__name__}")
         if args.max_steps <= 0:
             raise ValueError("StreamingTrainer: with mini_batches=, set TrainingArguments(max_steps=...): a schedule's "
                              "number of batches per epoch is not known ahead")
+        if args.save_only_model:
+            raise ValueError("StreamingTrainer: mini_batches= needs save_only_model=False: a checkpoint must hold "
+                             "the sample order (mbs_ext_state.pt) for a resumed run to land on the same sample")
         if args.dataloader_num_workers:
             raise ValueError(
                 f"StreamingTrainer: mini_batches= needs dataloader_num_workers=0 (got {args.dataloader_num_workers}): "
@@ -162,7 +168,11 @@ class _StreamState(Trainer):
             raise ValueError(f"mini_batches: its SampleOrder has {mini_batches.order.rows} rows, train_dataset "
                              f"{rows}: build it with SampleOrder(len(train_dataset))")
         if mini_batches.noise is None:
-            mini_batches.noise = lambda: self.last_stream_result.noise if self.last_stream_result is not None else None
+            if isinstance(mini_batches.size, Autopilot) and not noise_scale:
+                raise ValueError("StreamingTrainer: the Autopilot in mini_batches follows the gradient noise, which "
+                                 "is not measured: pass options=mbs_ext.StepOptions(..., noise_scale=True), or give "
+                                 "MiniBatches its own noise=")
+            mini_batches.noise = lambda: self.noise_scale if self.noise_scale.steps else None
         args.ignore_data_skip = True
 
     def _mini_batch_loader(self) -> torch.utils.data.DataLoader:
@@ -200,15 +210,20 @@ class _StreamState(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, STATE_NAME) if checkpoint is not None else None
-        if path is None or not os.path.isfile(path):  # a checkpoint of a plain Trainer has none
+        if checkpoint is None:
             return
-        state = torch.load(path, weights_only=True)
-        self.noise_scale.load_state_dict(state["noise"])
+        path = os.path.join(checkpoint, STATE_NAME)
+        state = torch.load(path, weights_only=True) if os.path.isfile(path) else {}  # a plain Trainer's: none
+        if "noise" in state:
+            self.noise_scale.load_state_dict(state["noise"])
         if self.mini_batches is not None:
             if state.get("mini_batches") is None:
-                raise ValueError(f"resume_from_checkpoint: {checkpoint} holds no sample order (it was saved "
-                                 "without mini_batches=), so where this run's data resumes is unknown")
+                raise ValueError(
+                    f"resume_from_checkpoint: {checkpoint} holds no sample order ({STATE_NAME} with it: a checkpoint "
+                    "of a plain Trainer, or of one made without mini_batches=), so this run's data would start "
+                    "again from its first sample; resume from a checkpoint this trainer saved with mini_batches=, "
+                    "or resume without mini_batches="
+                )
             self.mini_batches.load_state_dict(state["mini_batches"])
 
 
@@ -242,9 +257,6 @@ class StreamingTrainer(_StreamState):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.mini_batches = mini_batches
-        if mini_batches is not None:
-            self._check_mini_batches(mini_batches)
         sizes = {"micro_batch_size": micro_batch_size} if micro_batch_size is not None or options is None else {}
         if micro_batch_tokens is not None:  # rows grouped by length, trimmed (docs/tokens.md)
             sizes["micro_batch_tokens"] = micro_batch_tokens
@@ -260,6 +272,9 @@ class StreamingTrainer(_StreamState):
         # No first-step count check: its forwards would run compute_loss, which the Trainer
         # accounts for; the Trainer's count is compared with the model's instead (_warn_if_counts_differ).
         self.stream_options = base.replace(**sizes, normalize=normalize, check_count=False)
+        self.mini_batches = mini_batches
+        if mini_batches is not None:
+            self._check_mini_batches(mini_batches, self.stream_options.noise_scale)
         self.last_stream_result: mbs_ext.StepResult | None = None
         # With options.noise_scale: the gradient noise's moving averages over the training steps
         # (docs/noise-scale.md), logged beside the loss as "b_simple" and "b_simple_stderr".

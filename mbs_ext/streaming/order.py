@@ -34,14 +34,19 @@ class SampleOrder:
         self.position = 0  # samples of this epoch already taken
         self.samples_seen = 0
         self.tokens_seen = 0
-        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation), made when first needed
+        # The permutations of the last two epochs asked for, made when first needed: a mini-batch
+        # that runs into the next epoch reads both (twice, sized in tokens), making each once.
+        self._perms: dict[int, torch.Tensor] = {}
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s order of the rows (int64, on the host), the same for every call and rank."""
-        if self._perm is None or self._perm[0] != epoch:
+        perm = self._perms.get(epoch)
+        if perm is None:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.rows, generator=g))
-        return self._perm[1]
+            perm = torch.randperm(self.rows, generator=g)
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1 or e == epoch + 1}
+            self._perms[epoch] = perm
+        return perm
 
     def next(self, batch_size: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """The next mini-batch of ``batch_size`` rows of the global order, and this rank's share of
@@ -86,6 +91,8 @@ class SampleOrder:
             if position == self.rows:
                 epoch, position = epoch + 1, 0
             part = lengths[self.permutation(epoch)[position:position + window]]
+            if part.numel() and int(part.min()) < 0:  # read anyway; a negative count breaks the running sums
+                raise ValueError("lengths must be token counts >= 0; a row of this order has a negative one")
             running = part.cumsum(0)
             k = int(torch.searchsorted(running, need))
             if k < part.numel():
@@ -110,6 +117,7 @@ class SampleOrder:
             raise ValueError(f"load_state_dict: the state is of a {state['rows']}-row dataset, this order's has "
                              f"{self.rows} rows")
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        self._perms = {}  # made from another seed, perhaps
         self.samples_seen, self.tokens_seen = int(state["samples_seen"]), int(state["tokens_seen"])
 
 
@@ -147,8 +155,7 @@ class MiniBatches:
     share of it under ``rank``/``world``, until ``total_samples``. With ``lengths`` (each dataset
     row's tokens, a 1-D integer tensor) sizes are in tokens: a mini-batch is the fewest next rows
     reaching ``size`` tokens (:meth:`SampleOrder.next_tokens`), and a schedule's clock is
-    ``tokens_seen``, as Megatron's and DeepSeek's ramps count tokens; ``total_samples`` still
-    counts rows.
+    ``tokens_seen`` (a ramp in tokens on a clock of tokens); ``total_samples`` still counts rows.
 
     Hand it to a DataLoader as ``batch_sampler=`` where the loader should gather the rows (a
     dataset read row by row, collated on the host), and to torchdata's ``StatefulDataLoader`` to
