@@ -356,13 +356,30 @@ RANK_ROWS = (10, 7)  # rows per rank: 3 and 2 micro-batches at M=4
 DDP_STEPS = 3
 
 
-def _rank_trainer(rank: int, out_dir: str) -> dict:
-    """One rank of ``torchrun``: a StreamingTrainer on the rank's own rows (10 or 7 of 17). The
-    harness has set up the gloo group; Accelerate finds it through the launcher's variables."""
+def _rank_trainers(rank: int, out_dir: str) -> dict:
+    """One rank of ``torchrun`` running two trainers in turn (one launch of the two-rank world
+    for both, about a minute of spawning and imports): the plain streamed trainer
+    (:func:`_rank_trainer`) and the scheduled one (:func:`_scheduled_rank`). The harness has set
+    up the gloo group; Accelerate finds it through the launcher's variables."""
     from ddp_harness import HOST
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(RANK_ROWS)),
                       LOCAL_WORLD_SIZE=str(len(RANK_ROWS)), MASTER_ADDR=HOST, MASTER_PORT="0")
+    return {"plain": _rank_trainer(rank, os.path.join(out_dir, "plain")),
+            "scheduled": _scheduled_rank(os.path.join(out_dir, "scheduled"))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Both trainers' results on each of two gloo ranks, from one launch of the world."""
+    from ddp_harness import run_world
+
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    return run_world(_rank_trainers, str(tmp / "ranks"), timeout=300, out_dir=tmp / "world")
+
+
+def _rank_trainer(rank: int, out_dir: str) -> dict:
+    """A StreamingTrainer on the rank's own rows (10 or 7 of 17)."""
     rows = Rows(sum(RANK_ROWS))
     # Per-device batch 10 and no even_batches: rank 0 gets 10 of each epoch's 17 rows, rank 1
     # the other 7 (a fresh seeded shuffle each epoch; one epoch per step).
@@ -384,12 +401,10 @@ def _rank_trainer(rank: int, out_dir: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_two_gloo_ranks_equal_the_full_batch_trainer(tmp_path):
+def test_two_gloo_ranks_equal_the_full_batch_trainer(tmp_path, two_ranks):
     """Two ranks with 10 and 7 rows (token counts normalized over both) for 3 AdamW steps equal
     the plain Trainer's full-batch steps on all 17 rows in one process, to 1e-10."""
-    from ddp_harness import run_world
-
-    ranks = run_world(_rank_trainer, str(tmp_path / "ranks"), timeout=240, out_dir=tmp_path / "world")
+    ranks = [r["plain"] for r in two_ranks]
     ref_args = training_args(tmp_path / "ref", DDP_STEPS, per_device_train_batch_size=sum(RANK_ROWS))
     ref = Trainer(model=make_model(), args=ref_args, train_dataset=Rows(sum(RANK_ROWS)))
     ref.train()
@@ -522,12 +537,8 @@ def test_a_schedule_refuses_another_ranks_share_or_another_dataset(tmp_path):
                              args=training_args(tmp_path, 3))
 
 
-def _scheduled_rank(rank: int, out_dir: str) -> dict:
+def _scheduled_rank(out_dir: str) -> dict:
     """One rank of a scheduled run on two gloo ranks: each takes its share of the one order."""
-    from ddp_harness import HOST
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR=HOST, MASTER_PORT="0")
     args = training_args(out_dir, 6, ddp_backend="gloo")
     batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))),
                                   rank=args.process_index, world=args.world_size)
@@ -538,12 +549,10 @@ def _scheduled_rank(rank: int, out_dir: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_a_scheduled_trainer_on_two_gloo_ranks_equals_it_on_one(tmp_path):
+def test_a_scheduled_trainer_on_two_gloo_ranks_equals_it_on_one(tmp_path, two_ranks):
     """Each rank trains on its share of every mini-batch of the one order (rank 0 the first half),
     and the two ranks' steps equal the one-process scheduled run's to 1e-10."""
-    from ddp_harness import run_world
-
-    ranks = run_world(_scheduled_rank, str(tmp_path / "ranks"), timeout=240, out_dir=tmp_path / "world")
+    ranks = [r["scheduled"] for r in two_ranks]
     one = scheduled(tmp_path / "one", 6)
     one.train()
     for step, ids in enumerate(one.seen):
