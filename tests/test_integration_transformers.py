@@ -434,11 +434,12 @@ class RecordingTrainer(StreamingTrainer):
 
 def scheduled(tmp_path, steps: int, **kw) -> RecordingTrainer:
     """A trainer whose sizes are 5, 5, 5, 9, 9, 13... rows (Steps, on the samples clock): the
-    order crosses the 23-row epoch at step 4."""
-    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))))
+    order crosses the 23-row epoch at step 4. This process's share of each under DDP."""
+    args = training_args(tmp_path, steps, **kw)
+    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))),
+                                  rank=args.process_index, world=args.world_size)
     return RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
-                            options=mbs_ext.StepOptions(micro_batch_size=M),
-                            args=training_args(tmp_path, steps, **kw))
+                            options=mbs_ext.StepOptions(micro_batch_size=M), args=args)
 
 
 def test_a_scheduled_trainer_trains_on_the_orders_rows_and_resumes_on_them(tmp_path):
@@ -463,10 +464,13 @@ def test_a_scheduled_trainer_trains_on_the_orders_rows_and_resumes_on_them(tmp_p
         assert torch.equal(p, q)
 
 
+PILOT = {"minimum": 4, "maximum": 64, "k": 1.0, "hysteresis": 0.0, "max_rel_stderr": None}
+
+
 def piloted(tmp_path, steps: int, **kw) -> RecordingTrainer:
     """A trainer whose sizes an Autopilot chooses from the trainer's own noise (4 to 64 rows: here
     it grows at every step, as this model's B_simple does)."""
-    pilot = mbs_ext.Autopilot(minimum=4, maximum=64, k=1.0, hysteresis=0.0, max_rel_stderr=None)
+    pilot = mbs_ext.Autopilot(**PILOT)
     return RecordingTrainer(model=make_model(), train_dataset=Rows(),
                             mini_batches=mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=1), pilot),
                             options=mbs_ext.StepOptions(micro_batch_size=2, noise_scale=True),
@@ -482,7 +486,7 @@ def test_the_autopilot_reads_the_trainers_noise_and_resumes_with_it(tmp_path):
     whole = piloted(tmp_path / "whole", 5)
     whole.train()
     logged = [types.SimpleNamespace(b_simple=e.get("b_simple")) for e in whole.state.log_history if "loss" in e]
-    replay, seen, want = mbs_ext.Autopilot(minimum=4, maximum=64, k=1.0, hysteresis=0.0, max_rel_stderr=None), 0, []
+    replay, seen, want = mbs_ext.Autopilot(**PILOT), 0, []
     for noise in [None, *logged[:-1]]:
         want.append(replay.size(seen, noise))
         seen += want[-1]
@@ -539,11 +543,7 @@ def test_a_schedule_refuses_another_ranks_share_or_another_dataset(tmp_path):
 
 def _scheduled_rank(out_dir: str) -> dict:
     """One rank of a scheduled run on two gloo ranks: each takes its share of the one order."""
-    args = training_args(out_dir, 6, ddp_backend="gloo")
-    batches = mbs_ext.MiniBatches(mbs_ext.SampleOrder(N, seed=7), mbs_ext.Steps(((0, 5), (12, 9), (30, 13))),
-                                  rank=args.process_index, world=args.world_size)
-    trainer = RecordingTrainer(model=make_model(), train_dataset=Rows(), mini_batches=batches,
-                               options=mbs_ext.StepOptions(micro_batch_size=M), args=args)
+    trainer = scheduled(out_dir, 6, ddp_backend="gloo")
     trainer.train()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "seen": trainer.seen}
 
