@@ -70,7 +70,7 @@ CHILD_TIMEOUT_S = 240.0  # per single-process child; a two-rank child's ranks ha
 RANKED_TIMEOUT_S = 330.0  # the backstop over the script's run_world (240 s)
 
 pytestmark = [pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"),
-              pytest.mark.slow]  # fresh child processes: out of the quick suite
+              pytest.mark.slow, pytest.mark.memory_study]  # fresh child processes: out of the quick suite
 
 
 def _env() -> dict[str, str]:

@@ -23,7 +23,7 @@ BENCH = ROOT / "bench" / "bench_planner.py"
 MiB = 1 << 20
 
 pytestmark = [pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"),
-              pytest.mark.slow]  # a fresh child process per case: out of the quick suite
+              pytest.mark.slow, pytest.mark.memory_study]  # a fresh child process per case: out of the quick suite
 
 # (model, budget MiB): the study's models at budgets small enough to keep the test quick.
 CASES = [("cnn", 48), ("cnn", 96), ("mlp", 48), ("mlp", 96), ("transformer", 48), ("transformer", 96),

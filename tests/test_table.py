@@ -23,6 +23,7 @@ def cal():
 
 @linux_only
 @pytest.mark.slow
+@pytest.mark.memory_study
 def test_capped_child_full_batch_fails_mbs_succeeds(cal):
     assert 0 < cal["growth"] < 64 << 20, cal
     res = table.run_child("row", 1024, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=1, threads=1)
@@ -37,6 +38,7 @@ def test_capped_child_full_batch_fails_mbs_succeeds(cal):
 
 @linux_only
 @pytest.mark.slow
+@pytest.mark.memory_study
 def test_capped_child_small_full_batch_fits(cal):
     # The cap is not a blanket failure: at B = micro-batch the full batch fits too.
     res = table.run_child("row", 16, micro=16, cap_bytes=cal["cap"], epochs=1, max_steps=2, threads=1)
@@ -73,6 +75,7 @@ def test_write_table(tmp_path):
 
 @linux_only
 @pytest.mark.slow
+@pytest.mark.memory_study
 def test_main_tiny(tmp_path, capsys):
     out = tmp_path / "tbl"
     argv = ["--out", str(out), "--epochs", "1", "--max-steps", "1", "--sizes", "16,all", "--sweep", "1"]
@@ -118,6 +121,7 @@ def test_gpu_table_bisects_the_largest_full_batch(monkeypatch):
 
 @linux_only
 @pytest.mark.slow
+@pytest.mark.memory_study
 def test_sweep_mbs_peak_is_flat_and_the_full_batch_fails(cal):
     """The papers' property, measured by the OS: one MBS step at 16x the largest full batch F
     peaks within a few MiB of one at 1x, for the plain CNN and the BatchNorm one, under the same
