@@ -63,7 +63,7 @@ REFERENCE = {"tokens": "hand_tokens", "fsdp2": "hand_fsdp2"}
 # Processes per figure, median taken, for the single-process cases set against a reference. One
 # process each (2 CPU cores, three processes per figure): ``tokens`` grew +1.3 to +3.2 MiB and
 # ``hand_tokens`` +1.1 to +2.5, so one pair's difference spans about +-2 MiB, the tolerance itself
-# (CI once read +3.2 against +1.1); the medians of those same processes: +1.66 against +2.26.
+# (CI once read +3.2 against +1.1); the medians of three processes each here: +1.66 against +2.26.
 # The two-rank ``fsdp2`` stays at one (OPEN_ON_CPU below): a two-rank child costs a minute.
 REPEATS = {"tokens": 3, "hand_tokens": 3}
 CHILD_TIMEOUT_S = 240.0  # per single-process child; a two-rank child's ranks have their own watchdog inside
