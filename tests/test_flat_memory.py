@@ -18,7 +18,7 @@ what its encodings of every row need by nature (``inherent_mib``, 0.5 MiB at k=1
 fresh process per figure: with no parameter over 256 KiB (bench/flat_memory.py, ``_mlp``) one
 process's figure is within about 1 MiB of another's (below), and each child costs 7 s of
 imports. A case set against a reference subtracts two growths, each that noisy, so ``tokens``
-and its reference take the median of :data:`REPEATS` processes per figure. Two controls keep
+and its reference take the median of :data:`MEDIAN_OF` processes per figure. Two controls keep
 single figures honest: ``hand_loop`` (PyTorch's own accumulation loop over the same
 micro-batches, no mbs_ext) must pass, or the noise has outgrown the tolerance and a case's
 failure says nothing about the step; ``leak`` (a correct step under a ``loss_fn`` that keeps
@@ -60,12 +60,14 @@ FLAT, LEAK = "hand_loop", "leak"  # the controls: must pass, must fail
 # +1.7 and +2.0, its live heap flat). The step may add no more than its loop, within the same
 # tolerance.
 REFERENCE = {"tokens": "hand_tokens", "fsdp2": "hand_fsdp2"}
-# Processes per figure, median taken, for the single-process cases set against a reference. One
-# process each (2 CPU cores, three processes per figure): ``tokens`` grew +1.3 to +3.2 MiB and
-# ``hand_tokens`` +1.1 to +2.5, so one pair's difference spans about +-2 MiB, the tolerance itself
-# (CI once read +3.2 against +1.1); the medians of three processes each here: +1.66 against +2.26.
-# The two-rank ``fsdp2`` stays at one (OPEN_ON_CPU below): a two-rank child costs a minute.
-REPEATS = {"tokens": 3, "hand_tokens": 3}
+# A single-process case set against a reference, and its reference, take the median of this many
+# processes per figure. One process each (2 CPU cores, three processes per figure): ``tokens``
+# grew +1.3 to +3.2 MiB and ``hand_tokens`` +1.1 to +2.5, so one pair's difference spans about
+# +-2 MiB, the tolerance itself (CI once read +3.2 against +1.1); the medians of three processes
+# each here: +1.66 against +2.26. The two-rank ``fsdp2`` stays at one (OPEN_ON_CPU below): a
+# two-rank child costs a minute.
+MEDIAN_OF = 3
+REPEATED = {name for pair in REFERENCE.items() if pair[0] in SINGLE for name in pair}
 CHILD_TIMEOUT_S = 240.0  # per single-process child; a two-rank child's ranks have their own watchdog inside
 RANKED_TIMEOUT_S = 330.0  # the backstop over the script's run_world (240 s)
 
@@ -92,10 +94,11 @@ def _measure(case: str, k: int, device: str) -> dict:
 
 
 def _measure_all(cases: list[str], device: str) -> dict[str, dict[int, dict]]:
-    """Every case at both sizes (:data:`REPEATS` times where set, the median row by its rise
-    kept), two children at a time, longest first (the figures are per process; a neighbour
-    slows a child but does not move its peak)."""
-    jobs = [(case, k) for k in (LARGE, SMALL) for case in cases for _ in range(REPEATS.get(case, 1))]
+    """Every case at both sizes (:data:`MEDIAN_OF` times for :data:`REPEATED`, the median row by
+    its rise kept), two children at a time, longest first (the figures are per process; a
+    neighbour slows a child but does not move its peak)."""
+    jobs = [(case, k) for k in (LARGE, SMALL) for case in cases
+            for _ in range(MEDIAN_OF if case in REPEATED else 1)]
     with ThreadPoolExecutor(2) as pool:
         rows = list(pool.map(lambda job: _measure(*job, device), jobs))
     runs: dict[tuple[str, int], list[dict]] = {}
