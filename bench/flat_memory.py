@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import mbs_ext
 from mbs_ext.diagnostics import malloc_trim, proc_status
@@ -475,12 +476,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(case: Case, device: str, barrier: Callable[[], None] = lambda: None) -> dict:
-    """Warm up, then the peak one step of ``case.batch`` adds over what was resident before it."""
+def measure(case: Case, device: str, barrier: Callable[[], None] = lambda: None,
+            sizes: list[int] | None = None) -> list[dict]:
+    """Warm up, then the peak one step of ``case.batch`` adds over what was resident before it;
+    with ``sizes``, one step of each size's first micro-batches of it in turn (one row each),
+    after the one warm-up."""
     t0 = time.perf_counter()
     case.run(case.warm)
     _sync(device)
     warmup_s = time.perf_counter() - t0
+    if sizes is None:
+        return [{**_peak_of(case, case.batch, 1.0, device, barrier), "warmup_s": warmup_s}]
+    whole = max(sizes)
+    return [{**_peak_of(case, tree_map(lambda t, k=k: t[: k * M], case.batch), k / whole, device, barrier),
+             "warmup_s": warmup_s} for k in sizes]
+
+
+def _peak_of(case: Case, batch: Any, share: float, device: str, barrier: Callable[[], None]) -> dict:
+    """The peak one step of ``batch`` (``share`` of ``case.batch``'s rows) adds over what is live
+    just before it."""
     gc.collect()
     malloc_trim()  # freed heap pages of the build and warm-up leave: the base is what is live
     barrier()  # ranks start together (the step's collectives would make one wait on the other)
@@ -493,7 +507,7 @@ def measure(case: Case, device: str, barrier: Callable[[], None] = lambda: None)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     t0 = time.perf_counter()
-    result = case.run(case.batch)
+    result = case.run(batch)
     _sync(device)
     step_s = time.perf_counter() - t0
     if cuda:
@@ -502,26 +516,30 @@ def measure(case: Case, device: str, barrier: Callable[[], None] = lambda: None)
         status = proc_status()
         peak, after = status["VmHWM"], status["VmRSS"]
     return {"micro_batches": result.num_micro_batches, "rise_mib": (peak - base) / MIB,
-            "kept_mib": (after - base) / MIB, "base_mib": base / MIB, "inherent_mib": case.inherent_bytes / MIB,
-            "warmup_s": warmup_s, "step_s": step_s, "cpu_s": time.process_time(), **case.extra}
+            "kept_mib": (after - base) / MIB, "base_mib": base / MIB,
+            "inherent_mib": case.inherent_bytes * share / MIB,
+            "step_s": step_s, "cpu_s": time.process_time(), **case.extra}
 
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore", category=mbs_ext.BatchNormWarning)  # per-micro-batch statistics: known
 
 
-def _rank(rank: int, name: str, k: int, device: str) -> dict:
+def _rank(rank: int, name: str, ks: list[int], device: str) -> list[dict]:
     """One rank of a two-rank case (run by ``ddp_harness.run_world``, which joined the gloo group)."""
     _quiet()
-    return measure(RANKED[name](k, device, rank), device, barrier=dist.barrier)
+    case = RANKED[name](max(ks), device, rank)
+    return measure(case, device, barrier=dist.barrier, sizes=ks if len(ks) > 1 else None)
 
 
-def run_case(name: str, k: int, device: str) -> dict:
-    """The JSON row of ``name`` at ``k`` micro-batches."""
+def run_case(name: str, ks: list[int], device: str) -> list[dict]:
+    """The JSON rows of ``name``, one for each size in ``ks`` (micro-batches), in turn in one process."""
     torch.set_num_threads(1)
     _quiet()
+    sizes = ks if len(ks) > 1 else None
     if name in SINGLE:
-        return {"case": name, "k": k, "device": device, **measure(SINGLE[name](k, device), device)}
+        rows = measure(SINGLE[name](max(ks), device), device, sizes=sizes)
+        return [{"case": name, "k": k, "device": device, **row} for k, row in zip(ks, rows)]
     sys.path.insert(0, str(ROOT / "tests"))
     from ddp_harness import run_world
 
@@ -531,20 +549,28 @@ def run_case(name: str, k: int, device: str) -> dict:
     # two-rank BatchNorm; none with it off). The ranks run without it, unless it is asked for.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
 
-    ranks = run_world(_rank, name, k, device, timeout=WORLD_TIMEOUT_S)
-    worst = max(ranks, key=lambda r: r["rise_mib"])
-    return {"case": name, "k": k, "device": device, **worst,
-            "micro_batches": [r["micro_batches"] for r in ranks], "rank_rises_mib": [r["rise_mib"] for r in ranks],
-            "step_s": max(r["step_s"] for r in ranks), "cpu_s": time.process_time() + sum(r["cpu_s"] for r in ranks)}
+    ranks = run_world(_rank, name, ks, device, timeout=WORLD_TIMEOUT_S)
+    spent = time.process_time() + sum(rows[-1]["cpu_s"] for rows in ranks)
+    out = []
+    for k, at_k in zip(ks, zip(*ranks)):
+        worst = max(at_k, key=lambda r: r["rise_mib"])
+        out.append({"case": name, "k": k, "device": device, **worst,
+                    "micro_batches": [r["micro_batches"] for r in at_k],
+                    "rank_rises_mib": [r["rise_mib"] for r in at_k],
+                    "step_s": max(r["step_s"] for r in at_k), "cpu_s": spent})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", required=True, choices=[*SINGLE, *RANKED])
-    parser.add_argument("--k", type=int, required=True, help="micro-batches of the measured step")
+    parser.add_argument("--k", required=True, type=lambda v: [int(k) for k in v.split(",")],
+                        help="micro-batches of the measured step; several (8,1024) measure a step of each in turn in "
+                             "one process, after one warm-up, a JSON line each")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
-    print(json.dumps(run_case(args.case, args.k, args.device)), flush=True)
+    for row in run_case(args.case, args.k, args.device):
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
