@@ -18,7 +18,10 @@ before the step. Each case builds its model, optimizer and both host batches fir
 sits in host memory before the step, as a loader's would), takes one warm-up step of
 :data:`WARMUP` micro-batches (optimizer state, ``.grad``, the step's caches, kernels'
 first-call allocations, the code of every path a long step takes), then measures one step of
-``k`` micro-batches.
+``k`` micro-batches. ``--k 8,1024`` measures a step of each size in turn in the one process,
+after the one warm-up (the first micro-batches of the largest size's batch), a JSON line each:
+for a case whose heap differs more from process to process than the sizes differ (FSDP2,
+tests/test_flat_memory.py).
 
 Deliberately not set: ``MALLOC_*`` (the child runs with glibc's defaults, whose dynamic mmap
 threshold moves freed large blocks onto the heap: a heap that grows per micro-batch under
