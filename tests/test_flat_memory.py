@@ -11,22 +11,22 @@ over ``VmRSS`` just before it (on CUDA: ``max_memory_allocated`` over what was a
 The children run with glibc's default malloc settings (no ``MALLOC_*``): that is how users
 run, and a heap that grows per micro-batch under the defaults is a step that grows.
 
-``rise(1024) - rise(8)`` must stay within :data:`TOL_MIB`; ``cached_loss`` first takes off
-what its encodings of every row need by nature (``inherent_mib``, 0.5 MiB at k=1024), and
-``tokens`` and ``fsdp2`` what PyTorch's own loop over the same micro-batches grows
-(:data:`REFERENCE`: that loop is not flat either, the step may not add to it). One
-fresh process per figure: with no parameter over 256 KiB (bench/flat_memory.py, ``_mlp``) one
-process's figure is within about 1 MiB of another's (below), and each child costs 7 s of
-imports. A case set against a reference subtracts two growths, each that noisy, so those cases
-and their references take the median of :data:`MEDIAN_OF` processes; FSDP2's, whose heap differs
-more from process to process, measures both sizes in one process (:data:`IN_ONE_PROCESS`). Two controls keep
-single figures honest: ``hand_loop`` (PyTorch's own accumulation loop over the same
-micro-batches, no mbs_ext) must pass, or the noise has outgrown the tolerance and a case's
-failure says nothing about the step; ``leak`` (a correct step under a ``loss_fn`` that keeps
-0.5 MiB per micro-batch) must grow by more than 0.4 MiB per micro-batch, or a flat result
-would prove nothing. Two-rank cases (DDP, FSDP2, BatchNorm across ranks, SyncBatchNorm) run
-on two gloo ranks under ``tests/ddp_harness.py``'s watchdog; each rank measures its own rise
-and the larger counts.
+``rise(1024) - rise(8)`` must stay within :data:`TOL_MIB`; ``cached_loss`` first takes off what
+its encodings of every row need by nature (``inherent_mib``, 0.5 MiB at k=1024), and ``tokens``
+and ``fsdp2`` what PyTorch's own loop over the same micro-batches grows (:data:`REFERENCE`:
+that loop is not flat either, the step may not add to it). One fresh process per figure: with
+no parameter over 256 KiB (bench/flat_memory.py, ``_mlp``) one process's figure is within about
+1 MiB of another's (below), and each child costs 7 s of imports. A case set against a reference
+subtracts two growths, each that noisy, so those cases and their references take the median of
+:data:`MEDIAN_OF` processes; FSDP2's heap differs more from process to process, so its case and
+reference measure both sizes in one process (:data:`IN_ONE_PROCESS`). Two controls keep single
+figures honest: ``hand_loop`` (PyTorch's own accumulation loop over the same micro-batches, no
+mbs_ext) must pass, or the noise has outgrown the tolerance and a case's failure says nothing
+about the step; ``leak`` (a correct step under a ``loss_fn`` that keeps 0.5 MiB per
+micro-batch) must grow by more than 0.4 MiB per micro-batch, or a flat result would prove
+nothing. Two-rank cases (DDP, FSDP2, BatchNorm across ranks, SyncBatchNorm) run on two gloo
+ranks under ``tests/ddp_harness.py``'s watchdog; each rank measures its own rise and the larger
+counts.
 """
 
 from __future__ import annotations
