@@ -119,12 +119,15 @@ def scale_accumulate_(
     ``sq_norm`` (a 0-dim float32 or float64 tensor on the tensors' device): when given, the
     op adds to it the sum of squares of every element of every grad, as read (before
     ``scale``), in the same pass over the grads: ``sq_norm += sum(g.double()**2 for g in
-    grads)``, with no extra read of memory and no host sync. The squares are summed in
-    float64 on the CPU (in fixed blocks, so one call gives the same sum every run) and in
-    float per thread, float64 per block, one atomic add per block on CUDA (whose block
-    order, and so last bits, vary). Never reset here: several calls add up. A non-finite
-    grad makes it inf or NaN (``found_inf`` flags it too). Without it the op runs as it
-    did before it existed.
+    grads)``, with no extra read of memory and no host sync. On the CPU the squares are
+    summed in float64 in fixed blocks (one call gives the same sum every run), except float32
+    grads into float32 accumulators where the CPU has AVX2: squared in float32, at most 8 to a
+    float32 partial sum, then float64 (within 5e-7 relative; widening each grad cost more than
+    the pass itself). On CUDA: float per thread, float64 per block, one atomic add per block
+    (whose block order, and so last bits, vary). Never reset here: several calls add up. A
+    non-finite grad makes it inf or NaN (``found_inf`` flags it too); where squares are taken
+    in float32 (float32 grads, and CUDA) so does a finite grad past about 1.8e19, which
+    ``found_inf`` does not flag. Without it the op runs as it did before it existed.
 
     Raises TypeError/ValueError naming the argument for: lists of different lengths,
     non-tensors, non-float or sparse tensors, shape or device mismatches, devices
@@ -140,3 +143,17 @@ def scale_accumulate_(
         if out is not None:
             return out
     return _dispatched(accumulators, grads, scale, found_inf, sq_norm)
+
+
+def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``sq_norm += sum(t.double() ** 2 for t in tensors)`` and ``found_inf = 1.0`` where an element
+    is inf or NaN, in one read of the tensors: the op's loop with its squares, without the update
+    (the same sums: float32 tensors squared in float32 a few at a time, the rest in float64).
+
+    With the noise scale: the squares of each parameter's first gradient, and once a step the
+    squared norm of the accumulated gradient with its non-finite check (mbs_ext/model/grads.py).
+    CPU only, and a helper rather than an op: the tensors must be dense CPU float tensors
+    (contiguous or channels_last: no overlap, no gap), ``sq_norm`` a 0-dim float64/float32 and
+    ``found_inf`` a 0-dim float32 CPU tensor (ValueError naming the argument otherwise).
+    """
+    _C._sum_squares(_as_list("tensors", tensors), sq_norm, found_inf)

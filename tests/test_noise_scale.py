@@ -233,3 +233,26 @@ def test_clipping_and_token_counts_measure_the_unclipped_gradient_by_the_step_co
     trace, grad_sq = _expected(per, valid, split_sizes(21, 6))
     for noise in (clipped, counted):
         assert math.isclose(noise.trace, trace, rel_tol=1e-10) and math.isclose(noise.grad_sq, grad_sq, rel_tol=1e-9)
+
+
+def test_measuring_leaves_the_step_the_default_step_to_the_last_bit():
+    """On the CPU each parameter's first gradient becomes its sum and later ones add into it with
+    their weight on the loss, as autograd's .grad does: with the noise measured, two steps of a
+    float32 model (a channels_last convolution, a linear layer; uneven micro-batches) leave every
+    parameter and gradient bit for bit where the default step leaves them."""
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    base = base.to(memory_format=torch.channels_last)
+    x = torch.randn(22, 3, 6, 6).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (22,))
+    runs = []
+    for noise in (False, True):
+        model = copy.deepcopy(base)
+        streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                              nn.CrossEntropyLoss(), micro_batch_size=5, noise_scale=noise)
+        results = [streamer.step((x, y)) for _ in range(2)]
+        runs.append((model, results[-1]))
+    (plain, _), (measured, result) = runs
+    assert result.noise.micro_batches == 5 and result.noise.trace is not None
+    for p, q in zip(plain.parameters(), measured.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride()

@@ -189,9 +189,46 @@ MBS_ALWAYS_INLINE bool accumulate_span_squares(void* acc_raw, const void* grad_r
   return bad;
 }
 
+// The sum of the squares of x[0, n) added to `squares` (each element widened exactly to
+// float64, squared and summed in float64 lanes, as accumulate_span_squares does with its grads),
+// and whether an element is inf or NaN: a read of the accumulated sums that gives their squared
+// norm and their non-finite check at once.
+template <DType D> MBS_ALWAYS_INLINE bool span_squares(const void* raw, int64_t n, double& squares) {
+  const auto* x = static_cast<const typename Storage<D>::type*>(raw);
+  unsigned bad = 0;
+  Lanes lo = {0.0, 0.0, 0.0, 0.0};
+  Lanes hi = lo;
+  double tail = 0.0;
+  alignas(32) double squared[kSquaresTile];
+  for (int64_t start = 0; start < n; start += kSquaresTile) {
+    const int64_t m = n - start < kSquaresTile ? n - start : kSquaresTile;
+    const auto* __restrict__ v = x + start;
+    for (int64_t j = 0; j < m; ++j) {
+      const double w = load<D, double>(v + j);
+      bad |= static_cast<unsigned>((w - w) != 0.0);
+      squared[j] = w * w;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      Lanes a;
+      Lanes b;
+      std::memcpy(&a, squared + j, sizeof a);
+      std::memcpy(&b, squared + j + 4, sizeof b);
+      lo += a;
+      hi += b;
+    }
+    for (; j < m; ++j) tail += squared[j];
+  }
+  squares += add_lanes(lo, hi) + tail;
+  return bad != 0;
+}
+
 using SpanFn = bool (*)(void*, const void*, int64_t, double);
 // The same with the sum of squares of the grads added to the last argument.
 using SquaresSpanFn = bool (*)(void*, const void*, int64_t, double, double&);
+
+// The same without updating anything: the sum of squares of a span and its non-finite flag.
+using ReadSquaresFn = bool (*)(const void*, int64_t, double&);
 
 template <DType A, DType G> bool accumulate_span_default(void* acc, const void* grad, int64_t n, double s) {
   return accumulate_span<A, G>(acc, grad, n, s);
@@ -199,6 +236,10 @@ template <DType A, DType G> bool accumulate_span_default(void* acc, const void* 
 template <DType A, DType G>
 bool accumulate_span_squares_default(void* acc, const void* grad, int64_t n, double s, double& squares) {
   return accumulate_span_squares<A, G>(acc, grad, n, s, squares);
+}
+
+template <DType D> bool span_squares_default(const void* x, int64_t n, double& squares) {
+  return span_squares<D>(x, n, squares);
 }
 
 #if MBS_HAVE_AVX2_CLONES
@@ -210,6 +251,10 @@ template <DType A, DType G>
 __attribute__((target("avx2"))) bool accumulate_span_squares_avx2(void* acc, const void* grad, int64_t n, double s,
                                                                   double& squares) {
   return accumulate_span_squares<A, G>(acc, grad, n, s, squares);
+}
+template <DType D>
+__attribute__((target("avx2"))) bool span_squares_avx2(const void* x, int64_t n, double& squares) {
+  return span_squares<D>(x, n, squares);
 }
 
 // float32 into float32, the case a full-precision model spends its accumulation in. On one
@@ -244,44 +289,92 @@ accumulate_span_avx2<DType::f32, DType::f32>(void* acc_raw, const void* grad_raw
   return tail_bad || _mm256_movemask_ps(_mm256_cmp_ps(bad, zero, _CMP_NEQ_UQ)) != 0;
 }
 
-// The float32 loop above with the sum of squares: each group of 4 grads widened to float64
-// (exact) and squared into its own accumulator by a fused multiply-add, 4 accumulators of 4
-// lanes. Here the squares are the non-finite flag as well: a float32 square is at most
-// 2^256 and the sum of fewer than 2^52 of them stays finite in float64, so a lane ends
-// non-finite exactly when one of its grads was inf or NaN, and the flag's own multiply-add
-// goes away. The lanes are added in a fixed order, then the tail (the portable loop).
-template <>
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool
-accumulate_span_squares_avx2<DType::f32, DType::f32>(void* acc_raw, const void* grad_raw, int64_t n, double scale,
-                                                     double& squares) {
-  auto* acc = static_cast<float*>(acc_raw);
-  const auto* grad = static_cast<const float*>(grad_raw);
-  const __m256 s = _mm256_set1_ps(static_cast<float>(scale));
-  __m256d sq0 = _mm256_setzero_pd();
-  __m256d sq1 = _mm256_setzero_pd();
-  __m256d sq2 = _mm256_setzero_pd();
-  __m256d sq3 = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 g0 = _mm256_loadu_ps(grad + i);
-    const __m256 g1 = _mm256_loadu_ps(grad + i + 8);
-    const __m256d w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(g0));
-    const __m256d w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(g0, 1));
-    const __m256d w2 = _mm256_cvtps_pd(_mm256_castps256_ps128(g1));
-    const __m256d w3 = _mm256_cvtps_pd(_mm256_extractf128_ps(g1, 1));
-    sq0 = _mm256_fmadd_pd(w0, w0, sq0);
-    sq1 = _mm256_fmadd_pd(w1, w1, sq1);
-    sq2 = _mm256_fmadd_pd(w2, w2, sq2);
-    sq3 = _mm256_fmadd_pd(w3, w3, sq3);
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(s, g0)));
-    _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), _mm256_mul_ps(s, g1)));
+// The float32 loop above with the sum of squares, taken in float32 as the CUDA kernel takes
+// them per thread: each vector of 8 grads squares into its own float32 accumulator by a fused
+// multiply-add (no widening per element: the widening conversions cost more than the pass
+// itself). A run of kF32SquaresRun groups of 32 grads fills four accumulators, added in pairs
+// and widened into four float64 ones, and the next run starts again: each float32 lane sums at
+// most 2 * kF32SquaresRun = 8 squares (relative error within 8 * 2^-24, 5e-7) and everything
+// beyond it is float64. Four accumulators, so that the multiply-adds' latency does not bound a
+// pass over memory that is not in cache. The squares are the non-finite flag as well, with no
+// instruction of its own: an inf or NaN grad makes its run's sum inf or NaN, and only such a run
+// (rare) is read again to tell an inf or NaN grad from a finite one whose float32 square passes
+// float32's range (|g| above about 1.8e19: the sum is then inf, as on CUDA, and the flag stays
+// clear). Squares below float32's range (|g| under about 1e-19) count as about 0. The lanes are
+// added in a fixed order, then the tail (the portable loop, exact).
+constexpr int64_t kF32SquaresRun = 4;
+
+// Whether a float32 in g[0, n) is inf or NaN (the rare second read of a run above).
+inline bool any_nonfinite_f32(const float* g, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(g[i])) return true;
   }
-  const double vectors = add_lanes(Lanes(sq0), Lanes(sq1)) + add_lanes(Lanes(sq2), Lanes(sq3));
+  return false;
+}
+
+// The loop itself, for both uses: with `acc` it also makes accumulate_span's updates (the
+// scalar loop's multiply then add, bit for bit); with acc null it only reads (span_squares).
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool f32_squares_avx2(
+    float* acc, const float* grad, int64_t n, double scale, double& squares) {
+  const __m256 s = _mm256_set1_ps(static_cast<float>(scale));
+  const __m256 zero = _mm256_setzero_ps();
+  bool bad = false;
+  __m256d wide0 = _mm256_setzero_pd();
+  __m256d wide1 = wide0;
+  __m256d wide2 = wide0;
+  __m256d wide3 = wide0;
+  int64_t i = 0;
+  while (i + 32 <= n) {
+    const int64_t run_start = i;
+    __m256 sq0 = zero;
+    __m256 sq1 = zero;
+    __m256 sq2 = zero;
+    __m256 sq3 = zero;
+    for (int64_t run = 0; run < kF32SquaresRun && i + 32 <= n; ++run, i += 32) {
+      const __m256 g0 = _mm256_loadu_ps(grad + i);
+      const __m256 g1 = _mm256_loadu_ps(grad + i + 8);
+      const __m256 g2 = _mm256_loadu_ps(grad + i + 16);
+      const __m256 g3 = _mm256_loadu_ps(grad + i + 24);
+      sq0 = _mm256_fmadd_ps(g0, g0, sq0);
+      sq1 = _mm256_fmadd_ps(g1, g1, sq1);
+      sq2 = _mm256_fmadd_ps(g2, g2, sq2);
+      sq3 = _mm256_fmadd_ps(g3, g3, sq3);
+      if (acc != nullptr) {
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(s, g0)));
+        _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), _mm256_mul_ps(s, g1)));
+        _mm256_storeu_ps(acc + i + 16, _mm256_add_ps(_mm256_loadu_ps(acc + i + 16), _mm256_mul_ps(s, g2)));
+        _mm256_storeu_ps(acc + i + 24, _mm256_add_ps(_mm256_loadu_ps(acc + i + 24), _mm256_mul_ps(s, g3)));
+      }
+    }
+    const __m256 lo = _mm256_add_ps(sq0, sq1);
+    const __m256 hi = _mm256_add_ps(sq2, sq3);
+    // x - x is NaN exactly where x is inf or NaN.
+    const __m256 probe = _mm256_add_ps(_mm256_sub_ps(lo, lo), _mm256_sub_ps(hi, hi));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(probe, zero, _CMP_NEQ_UQ)) != 0) {
+      bad = bad || any_nonfinite_f32(grad + run_start, i - run_start);
+    }
+    wide0 = _mm256_add_pd(wide0, _mm256_cvtps_pd(_mm256_castps256_ps128(lo)));
+    wide1 = _mm256_add_pd(wide1, _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1)));
+    wide2 = _mm256_add_pd(wide2, _mm256_cvtps_pd(_mm256_castps256_ps128(hi)));
+    wide3 = _mm256_add_pd(wide3, _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1)));
+  }
+  const double vectors = add_lanes(Lanes(wide0), Lanes(wide1)) + add_lanes(Lanes(wide2), Lanes(wide3));
   double tail = 0.0;
-  const bool tail_bad =
-      accumulate_span_squares_default<DType::f32, DType::f32>(acc + i, grad + i, n - i, scale, tail);
+  const bool tail_bad = acc != nullptr ? accumulate_span_squares_default<DType::f32, DType::f32>(
+                                             acc + i, grad + i, n - i, scale, tail)
+                                       : span_squares_default<DType::f32>(grad + i, n - i, tail);
   squares += vectors + tail;
-  return tail_bad || !std::isfinite(vectors);
+  return bad || tail_bad;
+}
+
+template <>
+inline bool accumulate_span_squares_avx2<DType::f32, DType::f32>(void* acc, const void* grad, int64_t n,
+                                                                 double scale, double& squares) {
+  return f32_squares_avx2(static_cast<float*>(acc), static_cast<const float*>(grad), n, scale, squares);
+}
+
+template <> inline bool span_squares_avx2<DType::f32>(const void* x, int64_t n, double& squares) {
+  return f32_squares_avx2(nullptr, static_cast<const float*>(x), n, 0.0, squares);
 }
 #endif
 
@@ -316,6 +409,17 @@ template <DType A, DType G> SquaresSpanFn pick_squares_span_kernel() {
 
 inline SquaresSpanFn squares_span_kernel(DType acc, DType grad) {
   return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_squares_span_kernel<a.value, g.value>(); });
+}
+
+template <DType D> ReadSquaresFn pick_read_squares_kernel() {
+#if MBS_HAVE_AVX2_CLONES
+  if (cpu_has_avx2_fma()) return &span_squares_avx2<D>;
+#endif
+  return &span_squares_default<D>;
+}
+
+inline ReadSquaresFn read_squares_kernel(DType d) {
+  return dispatch_dtype(d, [](auto t) { return pick_read_squares_kernel<t.value>(); });
 }
 
 struct Pair {
@@ -357,6 +461,15 @@ class FlatPairs {
     });
   }
 
+  // The squares of the grads in [begin, end) added to `squares` (as run() adds them) and their
+  // non-finite flag, without updating anything: pairs whose grads are the tensors to read
+  // (their accumulators are not touched, and may be null).
+  bool read(int64_t begin, int64_t end, double& squares) const {
+    return for_spans(begin, end, [&](const Pair& p, void*, const void* grad, int64_t n) {
+      return read_squares_kernel(p.grad_dtype)(grad, n, squares);
+    });
+  }
+
  private:
   // span(pair, acc, grad, n) over the parts of the pairs that [begin, end) covers, in order;
   // returns the OR of what the calls return.
@@ -371,7 +484,7 @@ class FlatPairs {
       const int64_t lo = begin - starts_[idx];
       const int64_t hi = std::min(end, starts_[idx + 1]) - starts_[idx];
       if (hi > lo) {
-        auto* acc = static_cast<char*>(p.acc) + lo * element_size(p.acc_dtype);
+        auto* acc = p.acc == nullptr ? nullptr : static_cast<char*>(p.acc) + lo * element_size(p.acc_dtype);
         const auto* grad = static_cast<const char*>(p.grad) + lo * element_size(p.grad_dtype);
         bad |= span(p, acc, grad, hi - lo);
         begin = starts_[idx] + hi;

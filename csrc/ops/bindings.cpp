@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ops/arguments.h"
@@ -191,6 +192,33 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   return py::cast(std::move(flag));
 }
 
+// _sum_squares(tensors, sq_norm, found_inf): sum_squares_cpu (ops/kernels.h) behind its checks,
+// which raise (a private helper of mbs_ext/model/grads.py, not the op's face: no fault returned).
+void sum_squares(const std::vector<at::Tensor>& tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf) {
+  const auto refuse = [](const std::string& name) {
+    throw py::value_error("_sum_squares takes dense CPU float tensors, a 0-dim float64 or float32 sq_norm and "
+                          "a 0-dim float32 found_inf, both on the CPU: not so for " + name);
+  };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    // Dense and non-overlapping (contiguous, channels_last, ...): its elements fill numel slots from data_ptr.
+    if (!t.is_cpu() || !float_dtype(t.scalar_type()) || !t.is_non_overlapping_and_dense() ||
+        t.key_set().has_any(kNotPlain)) {
+      refuse("tensors[" + std::to_string(i) + "]");
+    }
+  }
+  const auto scalar = [](const at::Tensor& t, bool double_ok) {
+    return t.is_cpu() && t.dim() == 0 && !t.key_set().has_any(kNotPlain) &&
+           (t.scalar_type() == at::kFloat || (double_ok && t.scalar_type() == at::kDouble));
+  };
+  if (!scalar(sq_norm, true)) refuse("sq_norm");
+  if (!scalar(found_inf, false)) refuse("found_inf");
+  bump_versions(sq_norm);
+  bump_versions(found_inf);
+  const py::gil_scoped_release no_gil;
+  sum_squares_cpu(tensors, sq_norm, found_inf);
+}
+
 }  // namespace
 
 void bind_scale_accumulate(py::module_& m) {
@@ -199,6 +227,9 @@ void bind_scale_accumulate(py::module_& m) {
         "run=True: checks and runs a plain eager call and returns found_inf; else returns a fault "
         "(\"type\"|\"value\", message), or None where mbs_ext/ops.py has a share. run=False: the checks "
         "alone, a fault or None. sq_norm: None, or the 0-dim tensor the call adds sum(g^2) to.");
+  m.def("_sum_squares", &sum_squares, py::arg("tensors"), py::arg("sq_norm"), py::arg("found_inf"),
+        "sq_norm += sum of the squares of every element of the CPU tensors (in one read), found_inf = 1.0 "
+        "where one is inf or NaN.");
 }
 
 }  // namespace mbs

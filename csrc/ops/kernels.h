@@ -24,4 +24,10 @@ bool register_kernel(c10::DeviceType type, Kernel kernel);
 // nullptr when this build has no kernel for `type`.
 Kernel kernel_for(c10::DeviceType type);
 
+// sq_norm += the sum of the squares of every element of `tensors` (dense CPU float tensors;
+// sq_norm a 0-dim float64 or float32 CPU tensor), as the op sums its grads' squares; found_inf
+// (0-dim float32) set to 1.0 when an element is inf or NaN. One read: the squared norm of
+// the accumulated sums and their non-finite check at once (mbs_ext/model/grads.py).
+void sum_squares_cpu(at::TensorList tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf);
+
 }  // namespace mbs

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext.ops import scale_accumulate_
+from mbs_ext.ops import scale_accumulate_, sum_squares_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Each parameter's view into a flat buffer starts on this boundary. Gradients are
@@ -49,6 +49,181 @@ def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]
     return None if all(p.dtype == requested for p in params) else requested
 
 
+class NoiseSums:
+    """The noise scale's per-micro-batch sums: each micro-batch's sum of squares of its gradient
+    and the weight it was added with, weighed and summed once, at the end (:meth:`sums`). The
+    sums of squares are the elements of one float64 vector on ``device``, whose 0-dim views are
+    made a block at a time (:meth:`slot`): no tensor made per micro-batch, which after a pass over
+    the gradients (the interpreter's memory out of the caches) costs tens of microseconds on the
+    CPU. ``folded``: the weights rode the losses, so each sum of squares is of a gradient already
+    weighed by ``w_j`` (``w_j^2 |g_j|^2``)."""
+
+    BLOCK = 64  # slots made at a time
+
+    def __init__(self, device: torch.device, folded: bool = False) -> None:
+        self.device = device
+        self.folded = folded
+        self.blocks: list[torch.Tensor] = []
+        self.slots: tuple[torch.Tensor, ...] = ()
+        self.weights: list[float | torch.Tensor] = []
+        self.cached: tuple[float | torch.Tensor, float | torch.Tensor] | None = None
+
+    def slot(self) -> torch.Tensor:
+        """A zeroed 0-dim float64 for the next micro-batch's sum of squares (then :meth:`add`)."""
+        m = len(self.weights)
+        if m == len(self.blocks) * self.BLOCK:
+            self.blocks.append(torch.zeros(self.BLOCK, dtype=torch.float64, device=self.device))
+            self.slots += self.blocks[-1].unbind()
+        return self.slots[m]
+
+    def add(self, weight: float | torch.Tensor) -> None:
+        """The weight of the micro-batch whose squares went into the last :meth:`slot`."""
+        self.cached = None
+        self.weights.append(weight)
+
+    def sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """``sum_j w_j |g_j|^2`` over the micro-batches, and how many came with a weight other than
+        0 (a count of 0, or a padding micro-batch, adds nothing to either sum and must not count
+        in ``m`` either)."""
+        if self.cached is None:
+            self.cached = self._sums()
+        return self.cached
+
+    def _sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        weights = self.weights
+        if not weights:
+            return 0.0, 0.0
+        squares = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks))[: len(weights)]
+        if not any(isinstance(w, torch.Tensor) for w in weights):
+            count = float(sum(w != 0 for w in weights))
+            # Folded: w_j^2 |g_j|^2 / w_j (a weight of 0 added nothing: its factor is 0, not 1/0).
+            factors = [(1.0 / w if w else 0.0) if self.folded else float(w) for w in weights]
+            if self.device.type == "cpu":
+                return squares.dot(torch.tensor(factors, dtype=torch.float64)), count
+            # On a device the host factors ride a fused multiply's launch (a tensor of them would be
+            # a copy from pageable memory, which waits for the device).
+            return torch.stack(torch._foreach_mul(list(squares.unbind()), factors)).sum(), count
+        stacked = torch.stack([w.to(self.device, torch.float64) if isinstance(w, torch.Tensor)
+                               else torch.full((), float(w), dtype=torch.float64, device=self.device)
+                               for w in weights])
+        weighed = torch.where(stacked != 0, squares / stacked, 0.0) if self.folded else squares * stacked
+        return weighed.sum(), (stacked != 0).sum().to(torch.float64)
+
+
+class TakenGrads:
+    """Accumulators that start as each parameter's first gradient, as autograd's ``.grad`` does.
+
+    The noise scale reads each micro-batch's gradient on its way into the sums, which takes the
+    op rather than autograd's own accumulation. Flat buffers for that (:class:`GradBuffers`) cost
+    a step two passes over memory more than ``.grad`` does: the buffer zeroed, and the first
+    micro-batch's gradient added into it. Here a parameter's first gradient becomes its
+    accumulator as it is (its squares taken in one read, :func:`~mbs_ext.ops.sum_squares_`) and
+    later ones add into it through the op with their squares, at scale 1: the micro-batches'
+    weights ride their losses, as with ``.grad``, and :class:`NoiseSums` divides them out of the
+    squares. For one process on the CPU, parameters of the accumulation dtype (nothing to cast,
+    no collective over flat buffers): :func:`takes_grads`.
+    """
+
+    folds = True  # the caller weighs each micro-batch's loss; add_ adds at scale 1
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.accs: list[torch.Tensor | None] = [None] * len(params)
+        self.got = [False] * len(params)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.found_inf = [torch.zeros((), dtype=torch.float32, device=self.device)]
+        self.noise = NoiseSums(self.device, folded=True)
+        self.sum_nonfinite: torch.Tensor | None = None  # set by finish(): inf/NaN in the final sums
+        self.batch_sq: torch.Tensor | None = None  # |sum|^2 of the final sums, set by finish()
+
+    def add_(self, weight: float | torch.Tensor) -> None:
+        """Take or add every parameter's gradient (already weighed by ``weight``), then drop it."""
+        first, accs, grads = [], [], []
+        for j, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            # autograd's .grad is dense and laid out like its parameter (or contiguous); a sparse
+            # one (nn.Embedding(sparse=True)) is taken or added as a dense copy.
+            g = g.to_dense() if g.is_sparse else g
+            if self.accs[j] is None:
+                self.accs[j] = g
+                first.append(g)
+            else:
+                accs.append(self.accs[j])
+                grads.append(g)
+            self.got[j] = True
+            p.grad = None
+        squares = self.noise.slot()
+        if first:
+            sum_squares_(first, squares, self.found_inf[0])
+        if accs:
+            scale_accumulate_(accs, grads, 1.0, self.found_inf[0], sq_norm=squares)
+        self.noise.add(weight)
+
+    def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        return self.noise.sums()
+
+    def mul_(self, factor: float | torch.Tensor) -> None:
+        scale_([acc for acc in self.accs if acc is not None], factor)
+
+    def nonfinite(self, device: torch.device) -> torch.Tensor:
+        return self.found_inf[0].to(device)
+
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None) -> None:
+        """Rescale the sums and hand them to ``.grad`` (no copy); their squared norm and
+        non-finite check in one read. One process: ``group`` is always None here."""
+        self.mul_(factor)
+        for p, acc, got in zip(self.params, self.accs, got_any):
+            p.grad = acc if got else None
+        taken = [acc for acc in self.accs if acc is not None]
+        if taken:
+            self.batch_sq, self.sum_nonfinite = squares_and_nonfinite(taken, self.device)
+        else:
+            self.batch_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.release()
+
+    def release(self) -> None:
+        """Drop the sums (after :meth:`finish`, or when a step fails)."""
+        self.accs = [None] * len(self.params)
+
+
+def takes_grads(params: list[nn.Parameter], dtype: torch.dtype) -> bool:
+    """Whether :class:`TakenGrads` can accumulate ``params`` in ``dtype``: on the CPU (where
+    :func:`~mbs_ext.ops.sum_squares_` runs), each of that dtype (its gradients are the sums)."""
+    return bool(params) and all(p.device.type == "cpu" and p.dtype == dtype for p in params)
+
+
+class BufferPool:
+    """The flat buffers of a step, kept for the next step to reuse.
+
+    A step's buffers become its ``.grad`` (views into them), and the next step drops those views
+    first thing; its buffers are then the same again. Taking them anew each step costs more than
+    zeroing them: fresh pages fault in and the old ones go back to the system (0.2-0.3 ms of a
+    20 ms step on the CPU MLP study, 1.6 MB of buffer). A buffer is reused only where nothing
+    else holds its memory: a ``.grad`` the caller kept (or a view of one) stays theirs, and the
+    step takes a new buffer. One buffer per device and dtype: what a step holds anyway, between
+    steps, as its ``.grad``."""
+
+    def __init__(self) -> None:
+        self.flats: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def zeros(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer of ``length`` elements: the last one, where nothing else holds it."""
+        flat = self.flats.get((device, dtype))
+        if flat is not None and flat.numel() == length and _held_only_here(flat):
+            return flat.zero_()
+        flat = self.flats[device, dtype] = torch.zeros(length, dtype=dtype, device=device)
+        return flat
+
+
+def _held_only_here(flat: torch.Tensor) -> bool:
+    """Whether ``flat`` is the only tensor on its memory (no view of it, no ``.grad`` made from it)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # Two: the tensor's storage and the Python storage object made here to ask.
+    return use_count is not None and use_count(flat.untyped_storage()._cdata) == 2
+
+
 class GradBuffers:
     """Flat accumulation buffers (one per device) with a view per parameter.
 
@@ -56,7 +231,10 @@ class GradBuffers:
     belongs to no view, so nothing reads it as a gradient.
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False) -> None:
+    folds = False  # the op weighs each micro-batch's gradient on its way in
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False,
+                 pool: BufferPool | None = None) -> None:
         self.params = params
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         self.flats: list[torch.Tensor] = []
@@ -70,28 +248,19 @@ class GradBuffers:
         for js in self.groups:
             dev = params[js[0]].device
             offsets, length = buffer_layout([params[j].numel() for j in js], dtype.itemsize)
-            flat = torch.zeros(length, dtype=dtype, device=dev)
+            flat = pool.zeros(length, dtype, dev) if pool is not None else torch.zeros(length, dtype=dtype, device=dev)
             for j, offset in zip(js, offsets):
                 self.views[j] = _view_like(flat, offset, params[j])
             self.flats.append(flat)
             self.found_inf.append(torch.zeros((), dtype=torch.float32, device=dev))
-        # With ``noise``: sum_j w_j |grad_j|^2 over the micro-batches (w_j: the weight each was
-        # added with), on the first device, and one float64 scratch per device for the op.
-        self.scratch = [torch.zeros((), dtype=torch.float64, device=f.device) for f in self.flats] if noise else []
-        self.micro_sq = torch.zeros_like(self.scratch[0]) if self.scratch else None
-        # With ``noise``: the micro-batches added with a weight other than 0 (a count of 0, or a
-        # padding micro-batch, adds nothing to either sum and must not count in ``m`` either).
-        self.micro_count = torch.zeros_like(self.scratch[0]) if self.scratch else None
+        self.device = params[self.groups[0][0]].device if self.groups else torch.device("cpu")
+        self.noise = NoiseSums(self.device) if noise else None
         self.batch_sq: torch.Tensor | None = None  # with ``noise``: |sum|^2 of the final sums, set by finish()
 
     def add_(self, scale: float | torch.Tensor) -> None:
         """``buffer += scale * p.grad`` for every parameter with a grad, then drop the grad."""
         params = self.params
-        if self.micro_count is not None:
-            if isinstance(scale, torch.Tensor):
-                self.micro_count.add_((scale != 0).to(self.micro_count.device, torch.float64))
-            elif scale != 0:
-                self.micro_count.add_(1.0)
+        squares = self.noise.slot() if self.noise is not None else None
         for js, flag in zip(self.groups, self.found_inf):
             have = [j for j in js if params[j].grad is not None]
             if not have:
@@ -101,20 +270,23 @@ class GradBuffers:
             # other: the buffers, and so the .grad cast from them, are dense.
             accs = [self.views[j] for j in have]
             grads = [g.to_dense() if g.is_sparse else g for g in (params[j].grad for j in have)]
-            if self.micro_sq is None:
+            if self.noise is None:
                 scale_accumulate_(accs, grads, s, flag)  # one crossing into C++: checks and kernel
-            else:  # the same pass also sums the gradient's squares (noise scale)
-                sq = self.scratch[self.groups.index(js)]
-                sq.zero_()
+            elif flag.device == squares.device:  # the same pass also sums the gradient's squares
+                scale_accumulate_(accs, grads, s, flag, sq_norm=squares)
+            else:  # (noise scale), on each device, added up on the first
+                sq = torch.zeros((), dtype=torch.float64, device=flag.device)
                 scale_accumulate_(accs, grads, s, flag, sq_norm=sq)
-                sq = sq.to(self.micro_sq.device)
-                if isinstance(scale, torch.Tensor):
-                    self.micro_sq.addcmul_(sq, scale.to(self.micro_sq.device, torch.float64))
-                else:
-                    self.micro_sq.add_(sq, alpha=float(scale))
+                squares.add_(sq.to(squares.device))
             for j in have:
                 self.got[j] = True
                 params[j].grad = None
+        if self.noise is not None:
+            self.noise.add(scale)
+
+    def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """:meth:`NoiseSums.sums` (``0.0, 0.0`` without the noise scale)."""
+        return (0.0, 0.0) if self.noise is None else self.noise.sums()
 
     def mul_(self, factor: float | torch.Tensor) -> None:
         if not isinstance(factor, torch.Tensor) and factor == 1.0:
@@ -137,12 +309,13 @@ class GradBuffers:
         self.mul_(factor)
         if group is not None:
             self.all_reduce(group)
-        if self.micro_sq is not None:  # one pass over the sums, once a step (noise scale)
-            device = self.micro_sq.device
-            self.batch_sq = sum(sum_of_squares(f).to(device) for f in self.flats)
         # Finite micro-batch gradients can add up past the buffer dtype's range, here or in
-        # the sum over ranks: one fused check of the final sums (equal on every rank).
-        self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
+        # the sum over ranks: one fused check of the final sums (equal on every rank); with the
+        # noise scale their squared norm too, in the same read on the CPU.
+        if self.noise is not None and self.flats:
+            self.batch_sq, self.sum_nonfinite = squares_and_nonfinite(self.flats, self.device)
+        else:
+            self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
         for js in self.groups:
             # The buffer's views themselves become the gradients (no copy) only where every slot
             # of the buffer does: a view would otherwise keep alive, between steps, the slots of
@@ -173,6 +346,18 @@ class GradBuffers:
         self.flats = []
 
 
+def squares_and_nonfinite(flats: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum(f ** 2)`` over the flat buffers as a 0-dim float64 on ``device``, and their non-finite
+    flag (0-dim float32): on the CPU in one native read (:func:`mbs_ext.ops.sum_squares_`, the
+    op's own loop without the update), elsewhere a row-wise norm and torch's fused check."""
+    if all(f.device.type == "cpu" for f in flats) and device.type == "cpu":
+        sq = torch.zeros((), dtype=torch.float64)
+        found = torch.zeros((), dtype=torch.float32)
+        sum_squares_(flats, sq, found)
+        return sq, found
+    return sum(sum_of_squares(f).to(device) for f in flats), nonfinite_flag(flats, flats[0].device)
+
+
 SQ_ROWS = 1024  # elements per row of sum_of_squares' float32 partial sums
 
 
@@ -196,30 +381,32 @@ def sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
 def _view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
     """A view of ``p.numel()`` elements of ``flat`` from ``offset``, with ``p``'s strides when ``p``
     is dense (channels_last included), so each micro-batch's gradient (which autograd lays
-    out like its parameter) meets an accumulator of the same layout."""
-    n = p.numel()
+    out like its parameter) meets an accumulator of the same layout. One ``as_strided`` (a
+    third of the cost of ``narrow`` then ``view``: it runs for every parameter every step)."""
     # empty_like keeps the strides of a dense, non-overlapping tensor (and only of such one).
-    if p.is_contiguous() or torch.empty_like(p, device="meta").stride() != p.stride():
-        return flat.narrow(0, offset, n).view(p.shape)
-    return flat.as_strided(p.shape, p.stride(), offset)
+    if p.is_contiguous() or torch.empty_like(p, device="meta").stride() == p.stride():
+        return flat.as_strided(p.shape, p.stride(), offset)
+    return flat.narrow(0, offset, p.numel()).view(p.shape)
 
 
 def rescale_grads(params: list[nn.Parameter], factor: float | torch.Tensor) -> None:
     """``p.grad *= factor`` in one fused launch (nothing to do for a host factor of 1)."""
-    if not isinstance(factor, torch.Tensor) and factor == 1.0:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    scale_(([p.grad for p in params if p.grad is not None]), factor)
+
+
+def scale_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """``t *= factor`` for every tensor, in one fused launch per dtype (none for a host 1)."""
+    if not tensors or (not isinstance(factor, torch.Tensor) and factor == 1.0):
         return
     if not isinstance(factor, torch.Tensor):
-        torch._foreach_mul_(grads, factor)
+        torch._foreach_mul_(tensors, factor)
         return
-    # A device factor (float64 when counts are taken on the device) in each gradient dtype:
+    # A device factor (float64 when counts are taken on the device) in each tensor's dtype:
     # foreach's fused launch takes a 0-dim tensor only of the tensors' own dtype, and falls
-    # back to one multiply per gradient otherwise.
+    # back to one multiply per tensor otherwise.
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         torch._foreach_mul_(group, factor.to(dtype))
 
@@ -317,13 +504,15 @@ class BufferSink:
     buffered = True
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
-                 noise: bool = False) -> None:
+                 noise: bool = False, pool: BufferPool | None = None, take: bool = False) -> None:
         self.params = params
         self.device = device
-        self.bufs = GradBuffers(params, dtype, noise)
+        self.bufs = TakenGrads(params) if take else GradBuffers(params, dtype, noise, pool)
         self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
+        if self.bufs.folds:  # the weight rides the loss, as with autograd's .grad
+            loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         self.bufs.add_(weight)
 
@@ -340,13 +529,15 @@ class BufferSink:
 
     def micro_batches(self) -> float | torch.Tensor:
         """This rank's micro-batches of a count other than 0, or 0.0 without the noise scale."""
-        return 0.0 if self.bufs.micro_count is None else self.bufs.micro_count
+        return self.bufs.micro_sums()[1]
 
     def micro_sq(self, denom: float | torch.Tensor) -> float | torch.Tensor:
         """``sum_j c_j |grad_j|^2`` over this rank's micro-batches (``w_j = c_j / denom``: each
         micro-batch's count over the provisional total), or 0.0 without the noise scale."""
-        sq = self.bufs.micro_sq
-        return 0.0 if sq is None else sq * (denom.to(sq.device) if isinstance(denom, torch.Tensor) else denom)
+        sq = self.bufs.micro_sums()[0]
+        if not isinstance(sq, torch.Tensor):
+            return sq
+        return sq * (denom.to(sq.device) if isinstance(denom, torch.Tensor) else denom)
 
     def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None,
                found: torch.Tensor | None = None) -> None:
@@ -369,7 +560,11 @@ class BufferSink:
 
 
 def make_sink(params: list[nn.Parameter], device: torch.device, dtype: torch.dtype | None,
-              noise: bool = False) -> AutogradSink | BufferSink:
-    """The sink for ``params``: float buffers of ``dtype``, or autograd's own ``.grad`` (None);
-    ``noise``: the buffers also sum each micro-batch's squared gradient norm (needs buffers)."""
-    return AutogradSink(params, device) if dtype is None else BufferSink(params, device, dtype, noise)
+              noise: bool = False, pool: BufferPool | None = None, alone: bool = False) -> AutogradSink | BufferSink:
+    """The sink for ``params``: float buffers of ``dtype`` (taken from ``pool`` where given), or
+    autograd's own ``.grad`` (None); ``noise``: the buffers also sum each micro-batch's squared
+    gradient norm (needs buffers), in the gradients themselves where one process (``alone``)
+    can (:func:`takes_grads`)."""
+    if dtype is None:
+        return AutogradSink(params, device)
+    return BufferSink(params, device, dtype, noise, pool, take=noise and alone and takes_grads(params, dtype))

@@ -32,7 +32,7 @@ from torch import nn
 
 from mbs_ext.counts.normalize import Normalizer
 from mbs_ext.memory.backoff import is_out_of_memory
-from mbs_ext.model.grads import AutogradSink, BufferSink, accumulation_dtype, make_sink
+from mbs_ext.model.grads import AutogradSink, BufferPool, BufferSink, accumulation_dtype, make_sink
 from mbs_ext.model.options import StepOptions
 from mbs_ext.world.record import Record
 
@@ -102,9 +102,16 @@ class World:
         """dtype of the step's accumulation buffers (None: autograd accumulates in ``.grad``)."""
         return accumulation_dtype(requested, params, buffered=self.noise)
 
+    # The accumulation buffers of the last step, which the next one reuses (made by the first step
+    # that accumulates in buffers: a world's steps share them, one at a time).
+    pool: BufferPool | None = None
+
     def start(self, params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> Sink:
         """Buffers as every rank has them, then the sink the micro-batches' gradients go to."""
-        return make_sink(params, device, self.buffer_dtype(requested, params), noise=self.noise)
+        dtype = self.buffer_dtype(requested, params)
+        if dtype is not None and self.pool is None:
+            self.pool = BufferPool()
+        return make_sink(params, device, dtype, noise=self.noise, pool=self.pool, alone=self.alone)
 
     # How the step counts (mbs_ext.counts.normalize.for_step): no other rank weighs this one's
     # counts; :meth:`agree` needs no total before the first micro-batch.

@@ -157,6 +157,16 @@ template <DType D> typename Storage<D>::type make_random(std::mt19937& rng, doub
   }
 }
 
+// How close the picked kernel's sum of squares comes to the float64 reference: float32 grads
+// into float32 on the AVX2 path square in float32, each lane summing 2 * kF32SquaresRun of them
+// (within 2 * kF32SquaresRun * 2^-24 of each partial sum, then float64); the rest in float64.
+template <DType A, DType G> double squares_rtol() {
+#if MBS_HAVE_AVX2_CLONES
+  if (A == DType::f32 && G == DType::f32 && cpu_has_avx2_fma()) return static_cast<double>(2 * kF32SquaresRun) * 0x1p-24;
+#endif
+  return 1e-13;
+}
+
 // The span with the sum of squares makes the very updates and flag of the span without it (the
 // kernel picked at run time and the portable one), and its sum matches a float64 reference,
 // for lengths around its 8-lane groups and 256-element tiles, with and without a poisoned grad.
@@ -164,7 +174,7 @@ template <DType A, DType G> void test_squares_span_pair() {
   std::mt19937 rng(static_cast<unsigned>(17 + 4 * static_cast<int>(A) + static_cast<int>(G)));
   const SquaresSpanFn picked = squares_span_kernel(A, G);
   const SpanFn plain = span_kernel(A, G);
-  for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 255, 256, 257, 511, 1000, 4099}) {
+  for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 127, 128, 129, 255, 256, 257, 511, 1000, 4099}) {
     for (const int poison : {-1, 0, 1}) {
       std::vector<typename Storage<A>::type> acc(static_cast<size_t>(n));
       std::vector<typename Storage<G>::type> grad(static_cast<size_t>(n));
@@ -202,7 +212,7 @@ template <DType A, DType G> void test_squares_span_pair() {
         MBS_CHECK(!std::isfinite(squares) && !std::isfinite(portable_squares));
         MBS_CHECK(poison != 1 || (std::isnan(squares) && std::isnan(portable_squares)));
       } else {
-        MBS_CHECK(std::fabs((squares - 1.5) - reference) <= 1e-13 * reference);
+        MBS_CHECK(std::fabs((squares - 1.5) - reference) <= squares_rtol<A, G>() * reference);
         MBS_CHECK(std::fabs((portable_squares - 1.5) - reference) <= 1e-13 * reference);
       }
     }
@@ -216,6 +226,70 @@ static void test_squares_span_every_pair() {
       dispatch_pair(a, g, [](auto ta, auto tg) { test_squares_span_pair<ta.value, tg.value>(); });
     }
   }
+}
+
+// The read-only span (the squared norm of the sums and their check): the sum against the float64
+// reference as the updating span's (the same loops), the flag for an inf or NaN element only -
+// not for a finite float32 whose float32 square passes float32's range, whose sum is inf on the
+// AVX2 path and exact on the portable one - and FlatPairs::read leaves every tensor as it was.
+template <DType D> void test_read_squares() {
+  std::mt19937 rng(static_cast<unsigned>(91 + static_cast<int>(D)));
+  for (const int64_t n : {0, 1, 31, 32, 33, 127, 128, 129, 1000, 4099}) {
+    for (const int poison : {-1, 0, 1, 2}) {
+      std::vector<typename Storage<D>::type> x(static_cast<size_t>(n));
+      double reference = 0.0;
+      for (auto& v : x) {
+        double exact = 0.0;
+        v = make_random<D>(rng, exact);
+        reference += exact * exact;
+      }
+      if (poison >= 0 && n > 0) {
+        const size_t at = static_cast<size_t>(rng() % static_cast<uint64_t>(n));
+        const float value = poison == 0 ? INFINITY : poison == 1 ? NAN : 1e20f;
+        if (poison == 2 && D != DType::f32) continue;  // the float32 square's range: float32 only
+        if constexpr (D == DType::f32 || D == DType::f64) {
+          x[at] = static_cast<typename Storage<D>::type>(value);
+        } else {
+          x[at] = D == DType::bf16 ? f32_to_bf16(value) : f32_to_f16(value);
+        }
+      }
+      const auto before = x;
+      double squares = 0.25;  // added to, not overwritten
+      const bool bad = read_squares_kernel(D)(x.data(), n, squares);
+      double portable = 0.25;
+      const bool portable_bad = span_squares_default<D>(x.data(), n, portable);
+      MBS_CHECK(n == 0 || std::memcmp(x.data(), before.data(), x.size() * sizeof(x[0])) == 0);
+      MBS_CHECK(bad == portable_bad && bad == (n > 0 && (poison == 0 || poison == 1)));
+      if (bad) {
+        MBS_CHECK(!std::isfinite(squares) && !std::isfinite(portable));
+      } else if (poison == 2 && n > 0) {
+        MBS_CHECK(std::isfinite(portable) && (std::isinf(squares) || squares == portable));
+      } else {
+        MBS_CHECK(std::fabs((squares - 0.25) - reference) <= squares_rtol<D, D>() * reference);
+        MBS_CHECK(std::fabs((portable - 0.25) - reference) <= 1e-13 * reference);
+      }
+    }
+  }
+  std::vector<float> a(100, 2.0f);
+  std::vector<typename Storage<D>::type> b(3000);
+  double ignored = 0.0;
+  for (auto& v : b) v = make_random<D>(rng, ignored);
+  const auto b_before = b;
+  const FlatPairs flat({{nullptr, a.data(), 100, DType::f32, DType::f32}, {nullptr, b.data(), 3000, D, D}});
+  double whole = 0.0;
+  double halves = 0.0;
+  MBS_CHECK(!flat.read(0, flat.total(), whole));
+  MBS_CHECK(!flat.read(0, 1500, halves) && !flat.read(1500, flat.total(), halves));
+  double b_squares = 0.0;
+  MBS_CHECK(!read_squares_kernel(D)(b.data(), 3000, b_squares));
+  MBS_CHECK(std::fabs(whole - (400.0 + b_squares)) <= 1e-6 * whole && std::fabs(halves - whole) <= 1e-6 * whole);
+  MBS_CHECK(std::memcmp(b.data(), b_before.data(), b.size() * sizeof(b[0])) == 0);
+  for (const float v : a) MBS_CHECK(v == 2.0f);
+}
+
+static void test_read_squares_every_dtype() {
+  const DType all[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+  for (const DType d : all) dispatch_dtype(d, [](auto t) { test_read_squares<t.value>(); });
 }
 
 // FlatPairs with the sum: every element updated once and the sum over all pairs matches the
@@ -253,7 +327,8 @@ static void test_flat_squares() {
   const double b = split_sum(1000);
   const double c = split_sum(97);
   MBS_CHECK(std::memcmp(&a, &b, sizeof a) == 0);
-  MBS_CHECK(std::fabs(a - reference) <= 1e-13 * reference && std::fabs(c - reference) <= 1e-13 * reference);
+  const double rtol = squares_rtol<DType::f32, DType::f32>();
+  MBS_CHECK(std::fabs(a - reference) <= rtol * reference && std::fabs(c - reference) <= rtol * reference);
   for (size_t t = 0; t < accs.size(); ++t)
     for (size_t k = 0; k < accs[t].size(); ++k) MBS_CHECK(accs[t][k] == 3.0f * grads[t][k]);  // three passes of 1.0
   double nothing = 0.25;
@@ -285,6 +360,7 @@ int main() {
   test_flat_split_covers_everything();
   test_squares_span_every_pair();
   test_flat_squares();
+  test_read_squares_every_dtype();
   std::puts("test_accumulate: ok");
   return 0;
 }

@@ -45,6 +45,24 @@ void add_squares(const at::Tensor& sq_norm, double squares) {
   }
 }
 
+// span(begin, end, block_sum) over [0, total) in blocks of kSquaresBlock, in parallel; the
+// blocks' sums added to `squares` in block order. Returns whether any span returned true.
+template <typename Span> bool in_blocks(int64_t total, double& squares, Span&& span) {
+  const int64_t blocks = (total + kSquaresBlock - 1) / kSquaresBlock;
+  std::vector<double> block_sums(static_cast<size_t>(blocks), 0.0);
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, blocks, kGrain / kSquaresBlock, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      double block = 0.0;
+      const int64_t begin = b * kSquaresBlock;
+      if (span(begin, std::min(begin + kSquaresBlock, total), block)) bad.store(true, std::memory_order_relaxed);
+      block_sums[static_cast<size_t>(b)] = block;
+    }
+  });
+  for (const double block_sum : block_sums) squares += block_sum;
+  return bad.load();
+}
+
 void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& scale, const at::Tensor& found_inf,
              const at::Tensor* sq_norm, c10::Device /*device*/) {
   if (accumulators.empty()) return;
@@ -60,31 +78,22 @@ void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& sca
                      *float_dtype(grad.scalar_type())});
   }
   const accumulate::FlatPairs flat(std::move(pairs));
-  std::atomic<bool> bad{false};
+  bool bad = false;
   if (sq_norm == nullptr) {
+    std::atomic<bool> any{false};
     at::parallel_for(0, flat.total(), kGrain, [&](int64_t begin, int64_t end) {
-      if (flat.run(begin, end, s)) bad.store(true, std::memory_order_relaxed);
+      if (flat.run(begin, end, s)) any.store(true, std::memory_order_relaxed);
     });
+    bad = any.load();
   } else {
-    const int64_t total = flat.total();
-    const int64_t blocks = (total + kSquaresBlock - 1) / kSquaresBlock;
-    std::vector<double> block_sums(static_cast<size_t>(blocks), 0.0);
-    at::parallel_for(0, blocks, kGrain / kSquaresBlock, [&](int64_t first, int64_t last) {
-      for (int64_t b = first; b < last; ++b) {
-        double squares = 0.0;
-        const int64_t begin = b * kSquaresBlock;
-        if (flat.run(begin, std::min(begin + kSquaresBlock, total), s, squares)) {
-          bad.store(true, std::memory_order_relaxed);
-        }
-        block_sums[static_cast<size_t>(b)] = squares;
-      }
-    });
     double squares = 0.0;
-    for (const double block_sum : block_sums) squares += block_sum;
+    bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, double& block) {
+      return flat.run(begin, end, s, block);
+    });
     add_squares(*sq_norm, squares);
   }
   dense.write_back();
-  if (bad.load()) found_inf.fill_(1.0);
+  if (bad) found_inf.fill_(1.0);
 }
 
 void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& scale,
@@ -95,6 +104,26 @@ void scale_accumulate_cpu(at::TensorList accumulators, at::TensorList grads, con
       check_scale_accumulate_args(accumulators, grads, scale, found_inf, sq, c10::DeviceType::CPU);
   run_cpu(accumulators, grads, Scale{&scale, 0.0}, found_inf, sq, device);
 }
+
+}  // namespace
+
+void sum_squares_cpu(at::TensorList tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf) {
+  std::vector<accumulate::Pair> pairs;
+  pairs.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    const accumulate::DType dtype = *float_dtype(t.scalar_type());
+    pairs.push_back({nullptr, t.const_data_ptr(), t.numel(), dtype, dtype});
+  }
+  const accumulate::FlatPairs flat(std::move(pairs));
+  double squares = 0.0;
+  const bool bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, double& block) {
+    return flat.read(begin, end, block);
+  });
+  add_squares(sq_norm, squares);
+  if (bad) found_inf.fill_(1.0);
+}
+
+namespace {
 
 [[maybe_unused]] const bool registered = register_kernel(c10::DeviceType::CPU, &run_cpu);
 
