@@ -479,20 +479,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(case: Case, device: str, barrier: Callable[[], None] = lambda: None,
-            sizes: list[int] | None = None) -> list[dict]:
-    """Warm up, then the peak one step of ``case.batch`` adds over what was resident before it;
-    with ``sizes``, one step of each size's first micro-batches of it in turn (one row each),
-    after the one warm-up."""
+def measure(case: Case, device: str, sizes: list[int], barrier: Callable[[], None] = lambda: None) -> list[dict]:
+    """Warm up, then for each of ``sizes`` (micro-batches; the largest is the size ``case`` was built
+    for) the peak one step of that many first micro-batches of ``case.batch`` adds over what was
+    resident before it, in turn (one row each), after the one warm-up."""
     t0 = time.perf_counter()
     case.run(case.warm)
     _sync(device)
     warmup_s = time.perf_counter() - t0
-    if sizes is None:
-        return [{**_peak_of(case, case.batch, 1.0, device, barrier), "warmup_s": warmup_s}]
     whole = max(sizes)
-    return [{**_peak_of(case, tree_map(lambda t, k=k: t[: k * M], case.batch), k / whole, device, barrier),
-             "warmup_s": warmup_s} for k in sizes]
+    return [{**_peak_of(case, _first(case.batch, k, whole), k / whole, device, barrier), "warmup_s": warmup_s}
+            for k in sizes]
+
+
+def _first(batch: Any, k: int, whole: int) -> Any:
+    """The first ``k`` micro-batches of ``batch`` (``whole`` of them): the batch itself at its own size."""
+    return batch if k == whole else tree_map(lambda t: t[: k * M], batch)
 
 
 def _peak_of(case: Case, batch: Any, share: float, device: str, barrier: Callable[[], None]) -> dict:
@@ -532,16 +534,15 @@ def _rank(rank: int, name: str, ks: list[int], device: str) -> list[dict]:
     """One rank of a two-rank case (run by ``ddp_harness.run_world``, which joined the gloo group)."""
     _quiet()
     case = RANKED[name](max(ks), device, rank)
-    return measure(case, device, barrier=dist.barrier, sizes=ks if len(ks) > 1 else None)
+    return measure(case, device, ks, barrier=dist.barrier)
 
 
 def run_case(name: str, ks: list[int], device: str) -> list[dict]:
     """The JSON rows of ``name``, one for each size in ``ks`` (micro-batches), in turn in one process."""
     torch.set_num_threads(1)
     _quiet()
-    sizes = ks if len(ks) > 1 else None
     if name in SINGLE:
-        rows = measure(SINGLE[name](max(ks), device), device, sizes=sizes)
+        rows = measure(SINGLE[name](max(ks), device), device, ks)
         return [{"case": name, "k": k, "device": device, **row} for k, row in zip(ks, rows)]
     sys.path.insert(0, str(ROOT / "tests"))
     from ddp_harness import run_world
