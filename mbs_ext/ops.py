@@ -157,3 +157,18 @@ def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_i
     ``found_inf`` a 0-dim float32 CPU tensor (ValueError naming the argument otherwise).
     """
     _C._sum_squares(_as_list("tensors", tensors), sq_norm, found_inf)
+
+
+def add_squares_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sq_norm: torch.Tensor,
+                 acc_sq_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``accumulators[i] += grads[i]`` with ``sq_norm`` += the grads' squares (as the op sums them)
+    and ``acc_sq_norm`` += the squares of the accumulators as read, before the update, in one pass;
+    ``found_inf = 1.0`` where a grad or an accumulator is inf or NaN.
+
+    The first addition into a sum that is still one micro-batch's gradient as it was taken gives
+    that gradient's squares without a read of its own (the noise scale, mbs_ext/model/grads.py).
+    CPU only, a helper as :func:`sum_squares_` is: each accumulator a dense CPU float tensor laid
+    out as its grad (ValueError naming the argument otherwise).
+    """
+    _C._add_squares(_as_list("accumulators", accumulators), _as_list("grads", grads), sq_norm, acc_sq_norm,
+                    found_inf)

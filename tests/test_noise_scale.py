@@ -256,3 +256,53 @@ def test_measuring_leaves_the_step_the_default_step_to_the_last_bit():
     assert result.noise.micro_batches == 5 and result.noise.trace is not None
     for p, q in zip(plain.parameters(), measured.parameters()):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride()
+
+
+class _Gated(nn.Module):
+    """``b`` reaches only rows whose first feature passes 10, ``c`` only those below -10: micro-
+    batches that reach neither leave those parameters without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, CLASSES), nn.Linear(4, CLASSES), nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        if bool((x[:, 0] > 10).any()):
+            out = out + self.b(x) * (x[:, :1] > 10)
+        if bool((x[:, 0] < -10).any()):
+            out = out + self.c(x) * (x[:, :1] < -10)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_parameters_first_reached_late_or_once_count_in_their_own_micro_batches(dtype):
+    """A parameter whose first gradient comes in a later micro-batch (``b``: the second and fourth
+    of four, counting unequal items), or in one only (``c``: the third), keeps that gradient as its
+    sum; its squares count in that micro-batch (of its own weight), summed when it is next added to
+    or at the end. Against each micro-batch's gradient computed by hand in float64."""
+    torch.manual_seed(4)
+    model = _Gated().to(dtype)
+    x, y = _batch(20)
+    x = x.to(dtype)
+    x[8, 0], x[19, 0], x[14, 0] = 20.0, 30.0, -20.0  # micro-batches of 5 rows: b in 2 and 4, c in 3
+    y[[0, 1, 2, 15, 16]] = -100  # their counts 2, 5, 5, 3 of 15 items: weights of their own
+    sizes = split_sizes(20, 6)
+    assert sizes == [5, 5, 5, 5]
+    reference = copy.deepcopy(model).double()
+    micro_sq, g_b = 0.0, 0.0
+    for xs, ys in zip(x.double().split(sizes), y.split(sizes)):
+        reference.zero_grad()
+        F.cross_entropy(reference(xs), ys).backward()
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                       for p in reference.parameters()])
+        count = int((ys != -100).sum())
+        micro_sq += count * float(g.square().sum())
+        g_b = g_b + g * count / 15
+    noise = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=6, noise_scale=True).noise
+    rel = 1e-10 if dtype == torch.float64 else 1e-5
+    assert noise.micro_batches == 4 and noise.items == 15
+    assert math.isclose(noise.micro_sq, micro_sq, rel_tol=rel), (noise.micro_sq, micro_sq)
+    assert math.isclose(noise.batch_sq, float(g_b.square().sum()), rel_tol=rel)
+    got = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    assert torch.allclose(got, g_b, rtol=rel, atol=1e-12)

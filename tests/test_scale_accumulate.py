@@ -988,3 +988,31 @@ def test_buffers_are_reused_from_step_to_step_only_where_nothing_else_holds_them
 
 def nn_param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_add_squares_sums_the_accumulators_as_read_and_the_grads_in_one_pass(dtype):
+    """``add_squares_`` (a parameter's second gradient into its first, as taken): the update of
+    ``scale_accumulate_`` at scale 1 bit for bit, the grads' squares as its ``sq_norm`` sums them,
+    the accumulators' squares before the update, and found_inf for an inf or NaN in either."""
+    from mbs_ext.model.grads import add_squares_
+
+    gen = torch.Generator().manual_seed(23)
+    shapes = [(1003,), (7, 9), (0,), (70_001,)]
+    accs = [(2 * torch.randn(s, generator=gen)).to(dtype) for s in shapes]
+    accs.append(torch.randn(2, 5, 4, 3, generator=gen).to(dtype).to(memory_format=torch.channels_last))
+    grads = [torch.randn(a.shape, generator=gen).to(dtype) for a in accs]
+    grads[-1] = grads[-1].to(memory_format=torch.channels_last)
+    before, twins = [a.clone() for a in accs], [a.clone() for a in accs]
+    sq, acc_sq = torch.zeros((), dtype=torch.float64), torch.full((), 1.0, dtype=torch.float64)
+    found_inf = torch.zeros(())
+    add_squares_(accs, grads, sq, acc_sq, found_inf)
+    mbs_ext.scale_accumulate_(twins, grads, 1.0)
+    assert all(torch.equal(a, t) for a, t in zip(accs, twins)) and found_inf.item() == 0.0
+    assert sq.item() == pytest.approx(squares_reference(grads), rel=sq_rtol("cpu", torch.float64, grads))
+    assert acc_sq.item() == pytest.approx(1.0 + squares_reference(before), rel=sq_rtol("cpu", torch.float64, before))
+    accs[0][5] = float("inf")
+    add_squares_(accs, grads, sq, acc_sq, found_inf)
+    assert found_inf.item() == 1.0 and math.isinf(acc_sq.item())
+    with pytest.raises(ValueError, match=re.escape("not so for grads[1] (not laid out as its accumulator)")):
+        add_squares_(accs[:2], [grads[0], grads[1].t().contiguous().t()], sq, acc_sq, found_inf)

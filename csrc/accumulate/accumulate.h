@@ -223,12 +223,33 @@ template <DType D> MBS_ALWAYS_INLINE bool span_squares(const void* raw, int64_t 
   return bad != 0;
 }
 
+// accumulate_span_squares, and adds to `acc_squares` the sum of the squares of the
+// accumulators as read, before the update (widened exactly to float64, as span_squares takes
+// them), flagging an inf or NaN among them too: the first addition into a sum that is still
+// one micro-batch's gradient as it was taken gives that gradient's squares in the same pass.
+// Tile by tile: a tile's accumulators are squared, then updated while still in L1.
+template <DType A, DType G>
+MBS_ALWAYS_INLINE bool accumulate_span_both(void* acc_raw, const void* grad_raw, int64_t n, double scale,
+                                            double& squares, double& acc_squares) {
+  auto* acc = static_cast<typename Storage<A>::type*>(acc_raw);
+  const auto* grad = static_cast<const typename Storage<G>::type*>(grad_raw);
+  bool bad = false;
+  for (int64_t start = 0; start < n; start += kSquaresTile) {
+    const int64_t m = n - start < kSquaresTile ? n - start : kSquaresTile;
+    bad |= span_squares<A>(acc + start, m, acc_squares);
+    bad |= accumulate_span_squares<A, G>(acc + start, grad + start, m, scale, squares);
+  }
+  return bad;
+}
+
 using SpanFn = bool (*)(void*, const void*, int64_t, double);
 // The same with the sum of squares of the grads added to the last argument.
 using SquaresSpanFn = bool (*)(void*, const void*, int64_t, double, double&);
 
 // The same without updating anything: the sum of squares of a span and its non-finite flag.
 using ReadSquaresFn = bool (*)(const void*, int64_t, double&);
+// With the squares of the accumulators as read as well (the last argument).
+using BothSquaresSpanFn = bool (*)(void*, const void*, int64_t, double, double&, double&);
 
 template <DType A, DType G> bool accumulate_span_default(void* acc, const void* grad, int64_t n, double s) {
   return accumulate_span<A, G>(acc, grad, n, s);
@@ -240,6 +261,11 @@ bool accumulate_span_squares_default(void* acc, const void* grad, int64_t n, dou
 
 template <DType D> bool span_squares_default(const void* x, int64_t n, double& squares) {
   return span_squares<D>(x, n, squares);
+}
+template <DType A, DType G>
+bool accumulate_span_both_default(void* acc, const void* grad, int64_t n, double s, double& squares,
+                                  double& acc_squares) {
+  return accumulate_span_both<A, G>(acc, grad, n, s, squares, acc_squares);
 }
 
 #if MBS_HAVE_AVX2_CLONES
@@ -255,6 +281,11 @@ __attribute__((target("avx2"))) bool accumulate_span_squares_avx2(void* acc, con
 template <DType D>
 __attribute__((target("avx2"))) bool span_squares_avx2(const void* x, int64_t n, double& squares) {
   return span_squares<D>(x, n, squares);
+}
+template <DType A, DType G>
+__attribute__((target("avx2"))) bool accumulate_span_both_avx2(void* acc, const void* grad, int64_t n, double s,
+                                                               double& squares, double& acc_squares) {
+  return accumulate_span_both<A, G>(acc, grad, n, s, squares, acc_squares);
 }
 
 // float32 into float32, the case a full-precision model spends its accumulation in. On one
@@ -312,69 +343,91 @@ inline bool any_nonfinite_f32(const float* g, int64_t n) {
   return false;
 }
 
-// The loop itself, for both uses: with `acc` it also makes accumulate_span's updates (the
-// scalar loop's multiply then add, bit for bit); with acc null it only reads (span_squares).
+// One run's float32 partial sums (four accumulators of 8 lanes) into four float64 accumulators
+// of 4; true when a partial sum is inf or NaN (x - x is NaN exactly there).
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool widen_run(
+    const __m256 (&sq)[4], __m256d (&wide)[4]) {
+  const __m256 lo = _mm256_add_ps(sq[0], sq[1]);
+  const __m256 hi = _mm256_add_ps(sq[2], sq[3]);
+  wide[0] = _mm256_add_pd(wide[0], _mm256_cvtps_pd(_mm256_castps256_ps128(lo)));
+  wide[1] = _mm256_add_pd(wide[1], _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1)));
+  wide[2] = _mm256_add_pd(wide[2], _mm256_cvtps_pd(_mm256_castps256_ps128(hi)));
+  wide[3] = _mm256_add_pd(wide[3], _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1)));
+  const __m256 probe = _mm256_add_ps(_mm256_sub_ps(lo, lo), _mm256_sub_ps(hi, hi));
+  return _mm256_movemask_ps(_mm256_cmp_ps(probe, _mm256_setzero_ps(), _CMP_NEQ_UQ)) != 0;
+}
+
+__attribute__((target("avx2,fma"))) inline double add_wide(const __m256d (&wide)[4]) {
+  return add_lanes(Lanes(wide[0]), Lanes(wide[1])) + add_lanes(Lanes(wide[2]), Lanes(wide[3]));
+}
+
+// The loop itself, for every use: with `acc` it also makes accumulate_span's updates (the
+// scalar loop's multiply then add, bit for bit); with acc null it only reads (span_squares);
+// with AccToo it also sums the squares of the accumulators as read, before the update, into
+// `acc_squares` (accumulate_span_both), the same way.
+template <bool AccToo>
 __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) inline bool f32_squares_avx2(
-    float* acc, const float* grad, int64_t n, double scale, double& squares) {
+    float* acc, const float* grad, int64_t n, double scale, double& squares, double* acc_squares) {
   const __m256 s = _mm256_set1_ps(static_cast<float>(scale));
   const __m256 zero = _mm256_setzero_ps();
   bool bad = false;
-  __m256d wide0 = _mm256_setzero_pd();
-  __m256d wide1 = wide0;
-  __m256d wide2 = wide0;
-  __m256d wide3 = wide0;
+  __m256d wide[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  __m256d acc_wide[4] = {wide[0], wide[1], wide[2], wide[3]};
   int64_t i = 0;
   while (i + 32 <= n) {
     const int64_t run_start = i;
-    __m256 sq0 = zero;
-    __m256 sq1 = zero;
-    __m256 sq2 = zero;
-    __m256 sq3 = zero;
+    __m256 sq[4] = {zero, zero, zero, zero};
+    __m256 acc_sq[4] = {zero, zero, zero, zero};
     for (int64_t run = 0; run < kF32SquaresRun && i + 32 <= n; ++run, i += 32) {
-      const __m256 g0 = _mm256_loadu_ps(grad + i);
-      const __m256 g1 = _mm256_loadu_ps(grad + i + 8);
-      const __m256 g2 = _mm256_loadu_ps(grad + i + 16);
-      const __m256 g3 = _mm256_loadu_ps(grad + i + 24);
-      sq0 = _mm256_fmadd_ps(g0, g0, sq0);
-      sq1 = _mm256_fmadd_ps(g1, g1, sq1);
-      sq2 = _mm256_fmadd_ps(g2, g2, sq2);
-      sq3 = _mm256_fmadd_ps(g3, g3, sq3);
-      if (acc != nullptr) {
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(s, g0)));
-        _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), _mm256_mul_ps(s, g1)));
-        _mm256_storeu_ps(acc + i + 16, _mm256_add_ps(_mm256_loadu_ps(acc + i + 16), _mm256_mul_ps(s, g2)));
-        _mm256_storeu_ps(acc + i + 24, _mm256_add_ps(_mm256_loadu_ps(acc + i + 24), _mm256_mul_ps(s, g3)));
+      for (int v = 0; v < 4; ++v) {
+        const __m256 g = _mm256_loadu_ps(grad + i + 8 * v);
+        sq[v] = _mm256_fmadd_ps(g, g, sq[v]);
+        if (acc != nullptr) {
+          const __m256 a = _mm256_loadu_ps(acc + i + 8 * v);
+          if constexpr (AccToo) acc_sq[v] = _mm256_fmadd_ps(a, a, acc_sq[v]);
+          _mm256_storeu_ps(acc + i + 8 * v, _mm256_add_ps(a, _mm256_mul_ps(s, g)));
+        }
       }
     }
-    const __m256 lo = _mm256_add_ps(sq0, sq1);
-    const __m256 hi = _mm256_add_ps(sq2, sq3);
-    // x - x is NaN exactly where x is inf or NaN.
-    const __m256 probe = _mm256_add_ps(_mm256_sub_ps(lo, lo), _mm256_sub_ps(hi, hi));
-    if (_mm256_movemask_ps(_mm256_cmp_ps(probe, zero, _CMP_NEQ_UQ)) != 0) {
-      bad = bad || any_nonfinite_f32(grad + run_start, i - run_start);
+    // Only a run whose float32 sum is inf or NaN is read again (rare): an inf or NaN element,
+    // or a finite one past float32's square range. The accumulators were updated meanwhile,
+    // but an inf or NaN accumulator stays inf or NaN through the update.
+    if (widen_run(sq, wide)) bad = bad || any_nonfinite_f32(grad + run_start, i - run_start);
+    if constexpr (AccToo) {
+      if (widen_run(acc_sq, acc_wide)) bad = bad || any_nonfinite_f32(acc + run_start, i - run_start);
     }
-    wide0 = _mm256_add_pd(wide0, _mm256_cvtps_pd(_mm256_castps256_ps128(lo)));
-    wide1 = _mm256_add_pd(wide1, _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1)));
-    wide2 = _mm256_add_pd(wide2, _mm256_cvtps_pd(_mm256_castps256_ps128(hi)));
-    wide3 = _mm256_add_pd(wide3, _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1)));
   }
-  const double vectors = add_lanes(Lanes(wide0), Lanes(wide1)) + add_lanes(Lanes(wide2), Lanes(wide3));
   double tail = 0.0;
-  const bool tail_bad = acc != nullptr ? accumulate_span_squares_default<DType::f32, DType::f32>(
-                                             acc + i, grad + i, n - i, scale, tail)
-                                       : span_squares_default<DType::f32>(grad + i, n - i, tail);
-  squares += vectors + tail;
+  bool tail_bad;
+  if constexpr (AccToo) {
+    double acc_tail = 0.0;
+    tail_bad = accumulate_span_both_default<DType::f32, DType::f32>(acc + i, grad + i, n - i, scale, tail, acc_tail);
+    *acc_squares += add_wide(acc_wide) + acc_tail;
+  } else {
+    tail_bad = acc != nullptr ? accumulate_span_squares_default<DType::f32, DType::f32>(acc + i, grad + i, n - i,
+                                                                                      scale, tail)
+                              : span_squares_default<DType::f32>(grad + i, n - i, tail);
+  }
+  squares += add_wide(wide) + tail;
   return bad || tail_bad;
 }
 
 template <>
 inline bool accumulate_span_squares_avx2<DType::f32, DType::f32>(void* acc, const void* grad, int64_t n,
                                                                  double scale, double& squares) {
-  return f32_squares_avx2(static_cast<float*>(acc), static_cast<const float*>(grad), n, scale, squares);
+  return f32_squares_avx2<false>(static_cast<float*>(acc), static_cast<const float*>(grad), n, scale, squares,
+                                 nullptr);
 }
 
 template <> inline bool span_squares_avx2<DType::f32>(const void* x, int64_t n, double& squares) {
-  return f32_squares_avx2(nullptr, static_cast<const float*>(x), n, 0.0, squares);
+  return f32_squares_avx2<false>(nullptr, static_cast<const float*>(x), n, 0.0, squares, nullptr);
+}
+
+template <>
+inline bool accumulate_span_both_avx2<DType::f32, DType::f32>(void* acc, const void* grad, int64_t n, double scale,
+                                                              double& squares, double& acc_squares) {
+  return f32_squares_avx2<true>(static_cast<float*>(acc), static_cast<const float*>(grad), n, scale, squares,
+                                &acc_squares);
 }
 #endif
 
@@ -409,6 +462,17 @@ template <DType A, DType G> SquaresSpanFn pick_squares_span_kernel() {
 
 inline SquaresSpanFn squares_span_kernel(DType acc, DType grad) {
   return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_squares_span_kernel<a.value, g.value>(); });
+}
+
+template <DType A, DType G> BothSquaresSpanFn pick_both_squares_kernel() {
+#if MBS_HAVE_AVX2_CLONES
+  if (cpu_has_avx2_fma()) return &accumulate_span_both_avx2<A, G>;
+#endif
+  return &accumulate_span_both_default<A, G>;
+}
+
+inline BothSquaresSpanFn both_squares_kernel(DType acc, DType grad) {
+  return dispatch_pair(acc, grad, [](auto a, auto g) { return pick_both_squares_kernel<a.value, g.value>(); });
 }
 
 template <DType D> ReadSquaresFn pick_read_squares_kernel() {
@@ -458,6 +522,14 @@ class FlatPairs {
   bool run(int64_t begin, int64_t end, double scale, double& squares) const {
     return for_spans(begin, end, [&](const Pair& p, void* acc, const void* grad, int64_t n) {
       return squares_span_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, n, scale, squares);
+    });
+  }
+
+  // run() with the sum of squares, and the squares of the accumulators as read (before the
+  // update) added to `acc_squares`; the flag covers inf or NaN accumulators too.
+  bool run(int64_t begin, int64_t end, double scale, double& squares, double& acc_squares) const {
+    return for_spans(begin, end, [&](const Pair& p, void* acc, const void* grad, int64_t n) {
+      return both_squares_kernel(p.acc_dtype, p.grad_dtype)(acc, grad, n, scale, squares, acc_squares);
     });
   }
 

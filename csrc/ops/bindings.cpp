@@ -192,31 +192,64 @@ py::object scale_accumulate(py::handle accumulators, py::handle grads, py::handl
   return py::cast(std::move(flag));
 }
 
-// _sum_squares(tensors, sq_norm, found_inf): sum_squares_cpu (ops/kernels.h) behind its checks,
-// which raise (a private helper of mbs_ext/model/grads.py, not the op's face: no fault returned).
-void sum_squares(const std::vector<at::Tensor>& tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf) {
-  const auto refuse = [](const std::string& name) {
-    throw py::value_error("_sum_squares takes dense CPU float tensors, a 0-dim float64 or float32 sq_norm and "
-                          "a 0-dim float32 found_inf, both on the CPU: not so for " + name);
-  };
+// The CPU helpers of mbs_ext/model/grads.py behind their checks, which raise (private helpers,
+// not the op's face: no fault returned).
+[[noreturn]] void refuse(const char* helper, const std::string& name) {
+  throw py::value_error(std::string(helper) +
+                        " takes dense CPU float tensors, 0-dim float64 or float32 sums and a 0-dim float32 "
+                        "found_inf, all on the CPU: not so for " + name);
+}
+
+// Dense and non-overlapping (contiguous, channels_last, ...): its elements fill numel slots from data_ptr.
+void check_dense(const char* helper, const std::vector<at::Tensor>& tensors, const char* name) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    // Dense and non-overlapping (contiguous, channels_last, ...): its elements fill numel slots from data_ptr.
     if (!t.is_cpu() || !float_dtype(t.scalar_type()) || !t.is_non_overlapping_and_dense() ||
         t.key_set().has_any(kNotPlain)) {
-      refuse("tensors[" + std::to_string(i) + "]");
+      refuse(helper, std::string(name) + "[" + std::to_string(i) + "]");
     }
   }
-  const auto scalar = [](const at::Tensor& t, bool double_ok) {
-    return t.is_cpu() && t.dim() == 0 && !t.key_set().has_any(kNotPlain) &&
-           (t.scalar_type() == at::kFloat || (double_ok && t.scalar_type() == at::kDouble));
-  };
-  if (!scalar(sq_norm, true)) refuse("sq_norm");
-  if (!scalar(found_inf, false)) refuse("found_inf");
+}
+
+void check_scalar(const char* helper, const at::Tensor& t, bool double_ok, const char* name) {
+  if (!t.is_cpu() || t.dim() != 0 || t.key_set().has_any(kNotPlain) ||
+      !(t.scalar_type() == at::kFloat || (double_ok && t.scalar_type() == at::kDouble))) {
+    refuse(helper, name);
+  }
+}
+
+// _sum_squares(tensors, sq_norm, found_inf): sum_squares_cpu (ops/kernels.h).
+void sum_squares(const std::vector<at::Tensor>& tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf) {
+  check_dense("_sum_squares", tensors, "tensors");
+  check_scalar("_sum_squares", sq_norm, true, "sq_norm");
+  check_scalar("_sum_squares", found_inf, false, "found_inf");
   bump_versions(sq_norm);
   bump_versions(found_inf);
   const py::gil_scoped_release no_gil;
   sum_squares_cpu(tensors, sq_norm, found_inf);
+}
+
+// _add_squares(accumulators, grads, sq_norm, acc_sq_norm, found_inf): add_squares_cpu (ops/kernels.h);
+// each accumulator laid out as its grad.
+void add_squares(const std::vector<at::Tensor>& accumulators, const std::vector<at::Tensor>& grads,
+                 const at::Tensor& sq_norm, const at::Tensor& acc_sq_norm, const at::Tensor& found_inf) {
+  if (accumulators.size() != grads.size()) refuse("_add_squares", "grads (not one per accumulator)");
+  check_dense("_add_squares", accumulators, "accumulators");
+  check_dense("_add_squares", grads, "grads");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].sizes() != accumulators[i].sizes() || grads[i].strides() != accumulators[i].strides()) {
+      refuse("_add_squares", "grads[" + std::to_string(i) + "] (not laid out as its accumulator)");
+    }
+  }
+  check_scalar("_add_squares", sq_norm, true, "sq_norm");
+  check_scalar("_add_squares", acc_sq_norm, true, "acc_sq_norm");
+  check_scalar("_add_squares", found_inf, false, "found_inf");
+  bump_versions(accumulators);
+  bump_versions(sq_norm);
+  bump_versions(acc_sq_norm);
+  bump_versions(found_inf);
+  const py::gil_scoped_release no_gil;
+  add_squares_cpu(accumulators, grads, sq_norm, acc_sq_norm, found_inf);
 }
 
 }  // namespace
@@ -230,6 +263,10 @@ void bind_scale_accumulate(py::module_& m) {
   m.def("_sum_squares", &sum_squares, py::arg("tensors"), py::arg("sq_norm"), py::arg("found_inf"),
         "sq_norm += sum of the squares of every element of the CPU tensors (in one read), found_inf = 1.0 "
         "where one is inf or NaN.");
+  m.def("_add_squares", &add_squares, py::arg("accumulators"), py::arg("grads"), py::arg("sq_norm"),
+        py::arg("acc_sq_norm"), py::arg("found_inf"),
+        "accumulators[i] += grads[i] with the squares of the grads into sq_norm and of the accumulators as read "
+        "into acc_sq_norm (in one pass), found_inf = 1.0 where one is inf or NaN.");
 }
 
 }  // namespace mbs

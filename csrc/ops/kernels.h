@@ -29,5 +29,11 @@ Kernel kernel_for(c10::DeviceType type);
 // (0-dim float32) set to 1.0 when an element is inf or NaN. One read: the squared norm of
 // the accumulated sums and their non-finite check at once (mbs_ext/model/grads.py).
 void sum_squares_cpu(at::TensorList tensors, const at::Tensor& sq_norm, const at::Tensor& found_inf);
+// accumulators[i] += grads[i] (dense CPU pairs of one layout), sq_norm += the squares of the grads
+// as the op sums them, acc_sq_norm += the squares of the accumulators as read, before the update;
+// found_inf set where a grad or an accumulator is inf or NaN. The first addition into a sum that
+// is still a gradient as it was taken gives that gradient's squares in the same pass.
+void add_squares_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& sq_norm,
+                     const at::Tensor& acc_sq_norm, const at::Tensor& found_inf);
 
 }  // namespace mbs

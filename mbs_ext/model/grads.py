@@ -10,13 +10,14 @@ extra pass and no host sync), and the sum is cast into ``.grad`` once at the end
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext.ops import scale_accumulate_, sum_squares_
+from mbs_ext.ops import add_squares_, scale_accumulate_, sum_squares_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Each parameter's view into a flat buffer starts on this boundary. Gradients are
@@ -98,8 +99,8 @@ class NoiseSums:
             count = float(sum(w != 0 for w in weights))
             # Folded: w_j^2 |g_j|^2 / w_j (a weight of 0 added nothing: its factor is 0, not 1/0).
             factors = [(1.0 / w if w else 0.0) if self.folded else float(w) for w in weights]
-            if self.device.type == "cpu":
-                return squares.dot(torch.tensor(factors, dtype=torch.float64)), count
+            if self.device.type == "cpu":  # host numbers already: summed here, in order
+                return math.fsum(f * v for f, v in zip(factors, squares.tolist())), count
             # On a device the host factors ride a fused multiply's launch (a tensor of them would be
             # a copy from pageable memory, which waits for the device).
             return torch.stack(torch._foreach_mul(list(squares.unbind()), factors)).sum(), count
@@ -116,55 +117,83 @@ class TakenGrads:
     The noise scale reads each micro-batch's gradient on its way into the sums, which takes the
     op rather than autograd's own accumulation. Flat buffers for that (:class:`GradBuffers`) cost
     a step two passes over memory more than ``.grad`` does: the buffer zeroed, and the first
-    micro-batch's gradient added into it. Here a parameter's first gradient becomes its
-    accumulator as it is (its squares taken in one read, :func:`~mbs_ext.ops.sum_squares_`) and
-    later ones add into it through the op with their squares, at scale 1: the micro-batches'
-    weights ride their losses, as with ``.grad``, and :class:`NoiseSums` divides them out of the
-    squares. For one process on the CPU, parameters of the accumulation dtype (nothing to cast,
-    no collective over flat buffers): :func:`takes_grads`.
+    micro-batch's gradient added into it. Here a parameter's first gradient becomes its sum as it
+    is, and later ones add into it through the op with their squares, at scale 1: the micro-
+    batches' weights ride their losses, as with ``.grad``, and :class:`NoiseSums` divides them
+    out of the squares. The first gradient's own squares come with its next addition
+    (:func:`~mbs_ext.ops.add_squares_` squares the sum as it reads it to update it), or, for a
+    parameter no later micro-batch reaches, from one read at the end: no pass of their own. For
+    one process on the CPU, parameters of the accumulation dtype (nothing to cast, no collective
+    over flat buffers): :func:`takes_grads`.
     """
 
     folds = True  # the caller weighs each micro-batch's loss; add_ adds at scale 1
+    casts = False  # .grad is the sums themselves: no cast that could overflow
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.accs: list[torch.Tensor | None] = [None] * len(params)
+        # The micro-batch whose gradient a parameter's sum still is, as taken (its squares not
+        # yet summed: the parameter's next addition sums them, add_squares_, or finish() reads them).
+        self.pending: list[int | None] = [None] * len(params)
         self.got = [False] * len(params)
         self.device = params[0].device if params else torch.device("cpu")
         self.found_inf = [torch.zeros((), dtype=torch.float32, device=self.device)]
         self.noise = NoiseSums(self.device, folded=True)
-        self.sum_nonfinite: torch.Tensor | None = None  # set by finish(): inf/NaN in the final sums
+        self.sum_nonfinite: torch.Tensor | None = None  # never set: the final check shares found_inf
         self.batch_sq: torch.Tensor | None = None  # |sum|^2 of the final sums, set by finish()
 
     def add_(self, weight: float | torch.Tensor) -> None:
         """Take or add every parameter's gradient (already weighed by ``weight``), then drop it."""
-        first, accs, grads = [], [], []
+        index = len(self.noise.weights)  # this micro-batch's
+        accs, grads = [], []
+        taken: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # by the micro-batch taken at
         for j, p in enumerate(self.params):
             g = p.grad
             if g is None:
                 continue
+            p.grad = None
             # autograd's .grad is dense and laid out like its parameter (or contiguous); a sparse
             # one (nn.Embedding(sparse=True)) is taken or added as a dense copy.
             g = g.to_dense() if g.is_sparse else g
-            if self.accs[j] is None:
-                self.accs[j] = g
-                first.append(g)
+            acc, first = self.accs[j], self.pending[j]
+            if acc is None:
+                self.accs[j], self.pending[j] = g, index
+            elif first is not None and acc.stride() == g.stride():
+                pair = taken.setdefault(first, ([], []))
+                pair[0].append(acc)
+                pair[1].append(g)
+                self.pending[j] = None
             else:
-                accs.append(self.accs[j])
+                if first is not None:  # laid out otherwise than its gradient: its squares read first
+                    sum_squares_([acc], self.noise.slots[first], self.found_inf[0])
+                    self.pending[j] = None
+                accs.append(acc)
                 grads.append(g)
             self.got[j] = True
-            p.grad = None
-        squares = self.noise.slot()
-        if first:
-            sum_squares_(first, squares, self.found_inf[0])
+        squares, flag = self.noise.slot(), self.found_inf[0]
+        for first, (taken_accs, taken_grads) in taken.items():
+            add_squares_(taken_accs, taken_grads, squares, self.noise.slots[first], flag)
         if accs:
-            scale_accumulate_(accs, grads, 1.0, self.found_inf[0], sq_norm=squares)
+            scale_accumulate_(accs, grads, 1.0, flag, sq_norm=squares)
         self.noise.add(weight)
 
+    def read_pending(self) -> None:
+        """The squares of the sums that are still one gradient as taken, into their micro-batches'."""
+        by_first: dict[int, list[torch.Tensor]] = {}
+        for j, first in enumerate(self.pending):
+            if first is not None:
+                by_first.setdefault(first, []).append(self.accs[j])
+                self.pending[j] = None
+        for first, tensors in by_first.items():
+            sum_squares_(tensors, self.noise.slots[first], self.found_inf[0])
+
     def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        self.read_pending()
         return self.noise.sums()
 
     def mul_(self, factor: float | torch.Tensor) -> None:
+        self.read_pending()  # squares of the gradients as taken, not as rescaled
         scale_([acc for acc in self.accs if acc is not None], factor)
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
@@ -176,11 +205,10 @@ class TakenGrads:
         self.mul_(factor)
         for p, acc, got in zip(self.params, self.accs, got_any):
             p.grad = acc if got else None
+        self.batch_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         taken = [acc for acc in self.accs if acc is not None]
-        if taken:
-            self.batch_sq, self.sum_nonfinite = squares_and_nonfinite(taken, self.device)
-        else:
-            self.batch_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if taken:  # the final sums' flag joins the micro-batches' own: one flag to read
+            sum_squares_(taken, self.batch_sq, self.found_inf[0])
         self.release()
 
     def release(self) -> None:
@@ -232,6 +260,7 @@ class GradBuffers:
     """
 
     folds = False  # the op weighs each micro-batch's gradient on its way in
+    casts = True  # .grad may be a cast of the sums (into fp16: checked for overflow)
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False,
                  pool: BufferPool | None = None) -> None:
@@ -534,10 +563,12 @@ class BufferSink:
     def micro_sq(self, denom: float | torch.Tensor) -> float | torch.Tensor:
         """``sum_j c_j |grad_j|^2`` over this rank's micro-batches (``w_j = c_j / denom``: each
         micro-batch's count over the provisional total), or 0.0 without the noise scale."""
-        sq = self.bufs.micro_sums()[0]
-        if not isinstance(sq, torch.Tensor):
-            return sq
-        return sq * (denom.to(sq.device) if isinstance(denom, torch.Tensor) else denom)
+        if self.bufs.noise is None:
+            return 0.0
+        sq = self.bufs.micro_sums()[0]  # a host number on the CPU, else a device tensor
+        if isinstance(sq, torch.Tensor) and isinstance(denom, torch.Tensor):
+            denom = denom.to(sq.device)
+        return sq * denom
 
     def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None,
                found: torch.Tensor | None = None) -> None:
@@ -553,7 +584,7 @@ class BufferSink:
         found = self.found if self.found is not None else self.bufs.nonfinite(self.device)
         if self.bufs.sum_nonfinite is not None:
             found = torch.maximum(found, self.bufs.sum_nonfinite.to(self.device))
-        return torch.maximum(found, overflow_on_cast(self.params, self.device))
+        return torch.maximum(found, overflow_on_cast(self.params, self.device)) if self.bufs.casts else found
 
     def release(self) -> None:
         self.bufs.release()

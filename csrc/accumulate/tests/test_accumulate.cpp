@@ -219,6 +219,72 @@ template <DType A, DType G> void test_squares_span_pair() {
   }
 }
 
+// The span with the squares of the accumulators as read too: the very updates of the plain span,
+// the grads' sum as accumulate_span_squares makes it, the accumulators' (before the update)
+// against a float64 reference, and the flag for an inf or NaN grad or accumulator.
+template <DType A, DType G> void test_both_squares_pair() {
+  std::mt19937 rng(static_cast<unsigned>(57 + 4 * static_cast<int>(A) + static_cast<int>(G)));
+  const BothSquaresSpanFn picked = both_squares_kernel(A, G);
+  const SpanFn plain = span_kernel(A, G);
+  for (const int64_t n : {0, 1, 31, 32, 33, 127, 128, 129, 255, 256, 257, 1000, 4099}) {
+    for (const int poison : {-1, 0, 1}) {  // none, an inf/NaN grad, an inf/NaN accumulator
+      std::vector<typename Storage<A>::type> acc(static_cast<size_t>(n));
+      std::vector<typename Storage<G>::type> grad(static_cast<size_t>(n));
+      double acc_reference = 0.0;
+      double grad_reference = 0.0;
+      for (auto& a : acc) {
+        double exact = 0.0;
+        a = make_random<A>(rng, exact);
+        acc_reference += exact * exact;
+      }
+      for (auto& g : grad) {
+        double exact = 0.0;
+        g = make_random<G>(rng, exact);
+        grad_reference += exact * exact;
+      }
+      if (poison >= 0 && n > 0) {
+        const size_t at = static_cast<size_t>(rng() % static_cast<uint64_t>(n));
+        const bool nan = (rng() & 1u) != 0;
+        if (poison == 0) {
+          if constexpr (G == DType::f32 || G == DType::f64) {
+            grad[at] = nan ? NAN : INFINITY;
+          } else {
+            grad[at] = G == DType::bf16 ? f32_to_bf16(nan ? NAN : INFINITY) : f32_to_f16(nan ? NAN : INFINITY);
+          }
+        } else {
+          if constexpr (A == DType::f32 || A == DType::f64) {
+            acc[at] = nan ? NAN : INFINITY;
+          } else {
+            acc[at] = A == DType::bf16 ? f32_to_bf16(nan ? NAN : INFINITY) : f32_to_f16(nan ? NAN : INFINITY);
+          }
+        }
+      }
+      auto want = acc;
+      const bool grad_bad = plain(want.data(), grad.data(), n, 1.0);
+      double squares = 1.5;
+      double acc_squares = 0.5;
+      const bool bad = picked(acc.data(), grad.data(), n, 1.0, squares, acc_squares);
+      MBS_CHECK(bad == (poison >= 0 && n > 0) && grad_bad == (poison == 0 && n > 0));
+      MBS_CHECK(n == 0 || std::memcmp(acc.data(), want.data(), acc.size() * sizeof(acc[0])) == 0 || poison == 1);
+      if (poison < 0) {
+        MBS_CHECK(std::fabs((squares - 1.5) - grad_reference) <= squares_rtol<A, G>() * grad_reference);
+        MBS_CHECK(std::fabs((acc_squares - 0.5) - acc_reference) <= squares_rtol<A, G>() * acc_reference);
+      } else if (n > 0) {
+        MBS_CHECK(!std::isfinite(poison == 0 ? squares : acc_squares));
+      }
+    }
+  }
+}
+
+static void test_both_squares_every_pair() {
+  const DType all[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+  for (const DType a : all) {
+    for (const DType g : all) {
+      dispatch_pair(a, g, [](auto ta, auto tg) { test_both_squares_pair<ta.value, tg.value>(); });
+    }
+  }
+}
+
 static void test_squares_span_every_pair() {
   const DType all[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
   for (const DType a : all) {
@@ -361,6 +427,7 @@ int main() {
   test_squares_span_every_pair();
   test_flat_squares();
   test_read_squares_every_dtype();
+  test_both_squares_every_pair();
   std::puts("test_accumulate: ok");
   return 0;
 }

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <optional>
 #include <vector>
@@ -45,21 +46,24 @@ void add_squares(const at::Tensor& sq_norm, double squares) {
   }
 }
 
-// span(begin, end, block_sum) over [0, total) in blocks of kSquaresBlock, in parallel; the
-// blocks' sums added to `squares` in block order. Returns whether any span returned true.
-template <typename Span> bool in_blocks(int64_t total, double& squares, Span&& span) {
+// span(begin, end, block_sums) over [0, total) in blocks of kSquaresBlock, in parallel, each
+// block summing N sums of its own; the blocks' sums added to `sums` in block order. Returns
+// whether any span returned true.
+template <size_t N, typename Span> bool in_blocks(int64_t total, std::array<double, N>& sums, Span&& span) {
   const int64_t blocks = (total + kSquaresBlock - 1) / kSquaresBlock;
-  std::vector<double> block_sums(static_cast<size_t>(blocks), 0.0);
+  std::vector<std::array<double, N>> block_sums(static_cast<size_t>(blocks));
   std::atomic<bool> bad{false};
   at::parallel_for(0, blocks, kGrain / kSquaresBlock, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
-      double block = 0.0;
+      std::array<double, N> block{};
       const int64_t begin = b * kSquaresBlock;
       if (span(begin, std::min(begin + kSquaresBlock, total), block)) bad.store(true, std::memory_order_relaxed);
       block_sums[static_cast<size_t>(b)] = block;
     }
   });
-  for (const double block_sum : block_sums) squares += block_sum;
+  for (const auto& block : block_sums) {
+    for (size_t i = 0; i < N; ++i) sums[i] += block[i];
+  }
   return bad.load();
 }
 
@@ -86,11 +90,11 @@ void run_cpu(at::TensorList accumulators, at::TensorList grads, const Scale& sca
     });
     bad = any.load();
   } else {
-    double squares = 0.0;
-    bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, double& block) {
-      return flat.run(begin, end, s, block);
+    std::array<double, 1> squares{};
+    bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 1>& block) {
+      return flat.run(begin, end, s, block[0]);
     });
-    add_squares(*sq_norm, squares);
+    add_squares(*sq_norm, squares[0]);
   }
   dense.write_back();
   if (bad) found_inf.fill_(1.0);
@@ -115,11 +119,29 @@ void sum_squares_cpu(at::TensorList tensors, const at::Tensor& sq_norm, const at
     pairs.push_back({nullptr, t.const_data_ptr(), t.numel(), dtype, dtype});
   }
   const accumulate::FlatPairs flat(std::move(pairs));
-  double squares = 0.0;
-  const bool bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, double& block) {
-    return flat.read(begin, end, block);
+  std::array<double, 1> squares{};
+  const bool bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 1>& block) {
+    return flat.read(begin, end, block[0]);
   });
-  add_squares(sq_norm, squares);
+  add_squares(sq_norm, squares[0]);
+  if (bad) found_inf.fill_(1.0);
+}
+
+void add_squares_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& sq_norm,
+                     const at::Tensor& acc_sq_norm, const at::Tensor& found_inf) {
+  std::vector<accumulate::Pair> pairs;
+  pairs.reserve(accumulators.size());
+  for (size_t i = 0; i < accumulators.size(); ++i) {
+    pairs.push_back({accumulators[i].data_ptr(), grads[i].const_data_ptr(), accumulators[i].numel(),
+                     *float_dtype(accumulators[i].scalar_type()), *float_dtype(grads[i].scalar_type())});
+  }
+  const accumulate::FlatPairs flat(std::move(pairs));
+  std::array<double, 2> squares{};
+  const bool bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 2>& block) {
+    return flat.run(begin, end, 1.0, block[0], block[1]);
+  });
+  add_squares(sq_norm, squares[0]);
+  add_squares(acc_sq_norm, squares[1]);
   if (bad) found_inf.fill_(1.0);
 }
 
