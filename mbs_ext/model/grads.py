@@ -94,16 +94,17 @@ class NoiseSums:
         weights = self.weights
         if not weights:
             return 0.0, 0.0
-        squares = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks))[: len(weights)]
         if not any(isinstance(w, torch.Tensor) for w in weights):
             count = float(sum(w != 0 for w in weights))
             # Folded: w_j^2 |g_j|^2 / w_j (a weight of 0 added nothing: its factor is 0, not 1/0).
             factors = [(1.0 / w if w else 0.0) if self.folded else float(w) for w in weights]
             if self.device.type == "cpu":  # host numbers already: summed here, in order
-                return math.fsum(f * v for f, v in zip(factors, squares.tolist())), count
+                values = [v for block in self.blocks for v in block.tolist()]
+                return math.fsum(f * v for f, v in zip(factors, values)), count
             # On a device the host factors ride a fused multiply's launch (a tensor of them would be
             # a copy from pageable memory, which waits for the device).
-            return torch.stack(torch._foreach_mul(list(squares.unbind()), factors)).sum(), count
+            return torch.stack(torch._foreach_mul(list(self.slots[: len(weights)]), factors)).sum(), count
+        squares = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks))[: len(weights)]
         stacked = torch.stack([w.to(self.device, torch.float64) if isinstance(w, torch.Tensor)
                                else torch.full((), float(w), dtype=torch.float64, device=self.device)
                                for w in weights])
