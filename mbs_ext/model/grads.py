@@ -53,28 +53,30 @@ def accumulation_dtype(requested: torch.dtype | None, params: list[nn.Parameter]
 class NoiseSums:
     """The noise scale's per-micro-batch sums: each micro-batch's sum of squares of its gradient
     and the weight it was added with, weighed and summed once, at the end (:meth:`sums`). The
-    sums of squares are the elements of one float64 vector on ``device``, whose 0-dim views are
-    made a block at a time (:meth:`slot`): no tensor made per micro-batch, which after a pass over
-    the gradients (the interpreter's memory out of the caches) costs tens of microseconds on the
-    CPU. ``folded``: the weights rode the losses, so each sum of squares is of a gradient already
+    sums of squares are the elements of float64 vectors of :data:`BLOCK` on ``device``, each
+    micro-batch's a 0-dim view of one (:meth:`slot`): no zeroed tensor made per micro-batch, and
+    views made only as they are needed (each costs microseconds on the CPU, more right after a
+    backward has pushed the interpreter's memory out of the caches: 64 made at once took 0.16 ms).
+    ``folded``: the weights rode the losses, so each sum of squares is of a gradient already
     weighed by ``w_j`` (``w_j^2 |g_j|^2``)."""
 
-    BLOCK = 64  # slots made at a time
+    BLOCK = 64  # elements of a vector of sums
 
     def __init__(self, device: torch.device, folded: bool = False) -> None:
         self.device = device
         self.folded = folded
         self.blocks: list[torch.Tensor] = []
-        self.slots: tuple[torch.Tensor, ...] = ()
+        self.slots: list[torch.Tensor] = []
         self.weights: list[float | torch.Tensor] = []
         self.cached: tuple[float | torch.Tensor, float | torch.Tensor] | None = None
 
     def slot(self) -> torch.Tensor:
         """A zeroed 0-dim float64 for the next micro-batch's sum of squares (then :meth:`add`)."""
         m = len(self.weights)
-        if m == len(self.blocks) * self.BLOCK:
-            self.blocks.append(torch.zeros(self.BLOCK, dtype=torch.float64, device=self.device))
-            self.slots += self.blocks[-1].unbind()
+        if m == len(self.slots):
+            if m == len(self.blocks) * self.BLOCK:
+                self.blocks.append(torch.zeros(self.BLOCK, dtype=torch.float64, device=self.device))
+            self.slots.append(self.blocks[-1].select(0, m % self.BLOCK))
         return self.slots[m]
 
     def add(self, weight: float | torch.Tensor) -> None:
@@ -421,7 +423,7 @@ def _view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor
 
 def rescale_grads(params: list[nn.Parameter], factor: float | torch.Tensor) -> None:
     """``p.grad *= factor`` in one fused launch (nothing to do for a host factor of 1)."""
-    scale_(([p.grad for p in params if p.grad is not None]), factor)
+    scale_([p.grad for p in params if p.grad is not None], factor)
 
 
 def scale_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
