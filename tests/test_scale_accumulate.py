@@ -1016,3 +1016,22 @@ def test_add_squares_sums_the_accumulators_as_read_and_the_grads_in_one_pass(dty
     assert found_inf.item() == 1.0 and math.isinf(acc_sq.item())
     with pytest.raises(ValueError, match=re.escape("not so for grads[1] (not laid out as its accumulator)")):
         add_squares_(accs[:2], [grads[0], grads[1].t().contiguous().t()], sq, acc_sq, found_inf)
+
+
+def test_a_buffer_cast_into_grad_or_of_a_failed_step_is_not_kept_between_steps():
+    """The pool keeps only buffers whose views became the ``.grad`` (memory held between steps
+    anyway): bf16 parameters' float32 buffer (cast into a bf16 ``.grad``) and a step's buffer
+    released without finishing are freed as before, not held until the next step."""
+    from mbs_ext.model.grads import BufferPool, GradBuffers
+
+    pool = BufferPool()
+    params = [nn_param(torch.randn(6, dtype=torch.bfloat16))]
+    bufs = GradBuffers(params, torch.float32, pool=pool)
+    params[0].grad = torch.ones(6, dtype=torch.bfloat16)
+    bufs.add_(1.0)
+    bufs.finish(1.0, [True])
+    assert params[0].grad.dtype == torch.bfloat16 and torch.equal(params[0].grad, torch.ones(6, dtype=torch.bfloat16))
+    assert pool.flats == {}
+    same = [nn_param(torch.randn(6))]
+    GradBuffers(same, torch.float32, pool=pool).release()  # a step that failed
+    assert pool.flats == {}

@@ -233,8 +233,8 @@ class BufferPool:
     zeroing them: fresh pages fault in and the old ones go back to the system (0.2-0.3 ms of a
     20 ms step on the CPU MLP study, 1.6 MB of buffer). A buffer is reused only where nothing
     else holds its memory: a ``.grad`` the caller kept (or a view of one) stays theirs, and the
-    step takes a new buffer. One buffer per device and dtype: what a step holds anyway, between
-    steps, as its ``.grad``."""
+    step takes a new buffer. One buffer per device and dtype, kept only where its views became the
+    ``.grad`` (:meth:`GradBuffers.release`): memory a step holds between steps anyway."""
 
     def __init__(self) -> None:
         self.flats: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -246,6 +246,12 @@ class BufferPool:
             return flat.zero_()
         flat = self.flats[device, dtype] = torch.zeros(length, dtype=dtype, device=device)
         return flat
+
+    def drop(self, flat: torch.Tensor) -> None:
+        """Forget ``flat`` (freed once nothing else holds it)."""
+        key = (flat.device, flat.dtype)
+        if self.flats.get(key) is flat:
+            del self.flats[key]
 
 
 def _held_only_here(flat: torch.Tensor) -> bool:
@@ -268,6 +274,8 @@ class GradBuffers:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False,
                  pool: BufferPool | None = None) -> None:
         self.params = params
+        self.pool = pool
+        self.kept: list[torch.Tensor] = []  # buffers whose views finish() made the .grad
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         self.flats: list[torch.Tensor] = []
         self.found_inf: list[torch.Tensor] = []  # one 0-dim float32 flag per device
@@ -348,13 +356,15 @@ class GradBuffers:
             self.batch_sq, self.sum_nonfinite = squares_and_nonfinite(self.flats, self.device)
         else:
             self.sum_nonfinite = nonfinite_flag(self.flats, self.flats[0].device) if self.flats else None
-        for js in self.groups:
+        for flat, js in zip(self.flats, self.groups):
             # The buffer's views themselves become the gradients (no copy) only where every slot
             # of the buffer does: a view would otherwise keep alive, between steps, the slots of
             # parameters no micro-batch reached and of those whose gradient is a cast copy.
             shared = all(got_any[j] and self._same_as_param(j) for j in js)
             for j in js:
                 self.params[j].grad = (self.views[j] if shared else self._copy(j)) if got_any[j] else None
+            if shared:
+                self.kept.append(flat)
         self.release()
 
     def _same_as_param(self, j: int) -> bool:
@@ -373,9 +383,16 @@ class GradBuffers:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
 
     def release(self) -> None:
-        """Drop the buffers (after :meth:`finish`, or when a step fails)."""
+        """Drop the buffers (after :meth:`finish`, or when a step fails). The pool keeps only
+        those whose views became the ``.grad`` (memory held between steps anyway); a buffer
+        cast into ``.grad``, or one of a step that failed, is freed as it was before the pool."""
+        if self.pool is not None:
+            for flat in self.flats:
+                if not any(flat is kept for kept in self.kept):
+                    self.pool.drop(flat)
         self.views = [None] * len(self.params)  # type: ignore[list-item]
         self.flats = []
+        self.kept = []
 
 
 def squares_and_nonfinite(flats: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
