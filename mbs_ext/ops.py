@@ -159,6 +159,19 @@ def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_i
     _C._sum_squares(_as_list("tensors", tensors), sq_norm, found_inf)
 
 
+def noise_tap(params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> Any:
+    """Hooks before autograd's accumulation into each of ``params``' ``.grad`` (until its
+    ``detach()``): a parameter's first gradient of the step becomes its ``.grad`` as it is,
+    each later one is added into it by the op's CPU kernel with its squares, into the 0-dim
+    float64 last given to ``aim(slot)``, in the one pass over the sum that autograd's own
+    addition would make, while the gradient is still in the caches; ``read_pending()`` adds the
+    squares of sums that are still a first gradient into the slot it came with. No Python runs
+    per parameter (csrc/ops/noise_tap.h). The noise scale's sums on the CPU
+    (mbs_ext/model/grads.py). A helper as :func:`sum_squares_` is: dense CPU float parameters
+    that are leaves requiring grad, a 0-dim float32 ``found_inf`` set on inf/NaN."""
+    return _C._NoiseTap(_as_list("params", params), found_inf)
+
+
 def add_squares_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sq_norm: torch.Tensor,
                  acc_sq_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``accumulators[i] += grads[i]`` with ``sq_norm`` += the grads' squares (as the op sums them)

@@ -258,6 +258,22 @@ def test_measuring_leaves_the_step_the_default_step_to_the_last_bit():
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride()
 
 
+def _by_hand(reference: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: list[int]) -> tuple[float, torch.Tensor]:
+    """``sum_j c_j |g_j|^2`` and ``G_B`` (flattened) of a split, each micro-batch's mean gradient
+    ``g_j`` from a backward of its own (``c_j``: its rows whose target is not ignored)."""
+    items = int((y != -100).sum())
+    micro_sq, g_b = 0.0, 0.0
+    for xs, ys in zip(x.split(sizes), y.split(sizes)):
+        reference.zero_grad()
+        F.cross_entropy(reference(xs), ys).backward()
+        g = torch.cat([(p.grad.to_dense() if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                       for p in reference.parameters()])
+        count = int((ys != -100).sum())
+        micro_sq += count * float(g.square().sum())
+        g_b = g_b + g * count / items
+    return micro_sq, g_b
+
+
 class _Gated(nn.Module):
     """``b`` reaches only rows whose first feature passes 10, ``c`` only those below -10: micro-
     batches that reach neither leave those parameters without a gradient."""
@@ -289,16 +305,7 @@ def test_parameters_first_reached_late_or_once_count_in_their_own_micro_batches(
     y[[0, 1, 2, 15, 16]] = -100  # their counts 2, 5, 5, 3 of 15 items: weights of their own
     sizes = split_sizes(20, 6)
     assert sizes == [5, 5, 5, 5]
-    reference = copy.deepcopy(model).double()
-    micro_sq, g_b = 0.0, 0.0
-    for xs, ys in zip(x.double().split(sizes), y.split(sizes)):
-        reference.zero_grad()
-        F.cross_entropy(reference(xs), ys).backward()
-        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                       for p in reference.parameters()])
-        count = int((ys != -100).sum())
-        micro_sq += count * float(g.square().sum())
-        g_b = g_b + g * count / 15
+    micro_sq, g_b = _by_hand(copy.deepcopy(model).double(), x.double(), y, sizes)
     noise = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=6, noise_scale=True).noise
     rel = 1e-10 if dtype == torch.float64 else 1e-5
     assert noise.micro_batches == 4 and noise.items == 15
@@ -306,3 +313,58 @@ def test_parameters_first_reached_late_or_once_count_in_their_own_micro_batches(
     assert math.isclose(noise.batch_sq, float(g_b.square().sum()), rel_tol=rel)
     got = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
     assert torch.allclose(got, g_b, rtol=rel, atol=1e-12)
+
+
+class _Odd(nn.Module):
+    """Parameters whose gradients reach autograd's accumulation in odd forms: ``shift`` through a
+    sum (an expanded gradient, not laid out as its ``.grad``), an embedding's sparse gradient,
+    and a linear weight's doubled by a hook of the user's (:func:`_hooked`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, CLASSES)
+        self.emb = nn.Embedding(7, CLASSES, sparse=True)
+        self.shift = nn.Parameter(torch.randn(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[:, 1].abs() * 3).long() % 7
+        return self.lin(x) + self.emb(ids) + self.shift.sum() * x[:, :CLASSES]
+
+
+def _hooked(model: _Odd) -> list[int]:
+    """The user's hooks on ``model``: the linear weight's gradient doubled before it is
+    accumulated, and a count of the bias's accumulations (returned)."""
+    calls = [0]
+    model.lin.weight.register_hook(lambda g: 2 * g)
+    model.lin.bias.register_post_accumulate_grad_hook(lambda p: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_odd_gradients_and_the_users_hooks_count_as_autograd_accumulates_them():
+    """Each micro-batch's gradient is read as autograd would accumulate it, whatever its form: an
+    expanded one (added by autograd itself, its squares read apart), a sparse one, one a user's
+    hook changed first; the user's hooks run as often as without the noise scale, and a backward
+    after the step accumulates into ``.grad`` as autograd does. Against micro-batch gradients
+    computed by hand in float64 with the same hooks."""
+    torch.manual_seed(5)
+    model = _Odd().double()
+    reference = copy.deepcopy(model)
+    calls, reference_calls = _hooked(model), _hooked(reference)
+    x, y = _batch(20, seed=3)
+    sizes = split_sizes(20, 6)
+    micro_sq, g_b = _by_hand(reference, x, y, sizes)
+    noise = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=6, noise_scale=True).noise
+    assert calls[0] == reference_calls[0] == len(sizes)
+    assert noise.micro_batches == len(sizes)
+    assert math.isclose(noise.micro_sq, micro_sq, rel_tol=1e-10), (noise.micro_sq, micro_sq)
+    assert math.isclose(noise.batch_sq, float(g_b.square().sum()), rel_tol=1e-10)
+    got = torch.cat([p.grad.to_dense().reshape(-1) for p in model.parameters()])
+    assert torch.allclose(got, g_b, rtol=1e-10, atol=1e-14)
+    # After the step, autograd's own accumulation: into the step's .grad, as into the reference's.
+    reference.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        q.grad = p.grad.clone()
+    for net in (model, reference):
+        F.cross_entropy(net(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad.to_dense(), q.grad.to_dense())

@@ -924,7 +924,7 @@ def test_sum_squares_reads_dense_tensors_once_and_flags_only_inf_and_nan(dtype):
     the float64 sum of the squares over contiguous and channels_last tensors, added to what
     sq_norm held, nothing written to the tensors; found_inf for an inf or NaN element, not for a
     finite float32 whose float32 square passes float32's range."""
-    from mbs_ext.model.grads import sum_squares_
+    from mbs_ext.ops import sum_squares_
 
     gen = torch.Generator().manual_seed(17)
     tensors = [(3 * torch.randn(s, generator=gen)).to(dtype) for s in [(1003,), (7, 9), (0,), (70_001,)]]
@@ -944,7 +944,7 @@ def test_sum_squares_reads_dense_tensors_once_and_flags_only_inf_and_nan(dtype):
 
 
 def test_sum_squares_refuses_what_it_cannot_read():
-    from mbs_ext.model.grads import sum_squares_
+    from mbs_ext.ops import sum_squares_
 
     sq_norm, found_inf = torch.zeros((), dtype=torch.float64), torch.zeros(())
     for tensors, a, b, name in [([torch.zeros(8)[::2]], sq_norm, found_inf, "tensors[0]"),
@@ -995,7 +995,7 @@ def test_add_squares_sums_the_accumulators_as_read_and_the_grads_in_one_pass(dty
     """``add_squares_`` (a parameter's second gradient into its first, as taken): the update of
     ``scale_accumulate_`` at scale 1 bit for bit, the grads' squares as its ``sq_norm`` sums them,
     the accumulators' squares before the update, and found_inf for an inf or NaN in either."""
-    from mbs_ext.model.grads import add_squares_
+    from mbs_ext.ops import add_squares_
 
     gen = torch.Generator().manual_seed(23)
     shapes = [(1003,), (7, 9), (0,), (70_001,)]

@@ -199,7 +199,7 @@ COMPONENT_TESTS = {
     "tests/test_batchnorm.py": {"mbs_ext.model.batchnorm", "mbs_ext.model.batchnorm_rows"},
     "tests/test_batchnorm_ranks.py": {"mbs_ext.world.pairing"},
     "tests/test_ring.py": {"mbs_ext.streaming.ring"},
-    "tests/test_scale_accumulate.py": {"mbs_ext.model.grads", "mbs_ext.memory.planner"},
+    "tests/test_scale_accumulate.py": {"mbs_ext.model.grads", "mbs_ext.memory.planner", "mbs_ext.ops"},
 }
 
 

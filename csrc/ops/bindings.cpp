@@ -23,6 +23,7 @@
 
 #include "ops/arguments.h"
 #include "ops/kernels.h"
+#include "ops/noise_tap.h"
 
 namespace mbs {
 namespace {
@@ -252,6 +253,13 @@ void add_squares(const std::vector<at::Tensor>& accumulators, const std::vector<
   add_squares_cpu(accumulators, grads, sq_norm, acc_sq_norm, found_inf);
 }
 
+// _NoiseTap(params, found_inf): NoiseTap (ops/noise_tap.h) over dense CPU float parameters.
+std::unique_ptr<NoiseTap> make_tap(const std::vector<at::Tensor>& params, const at::Tensor& found_inf) {
+  check_dense("_NoiseTap", params, "params");
+  check_scalar("_NoiseTap", found_inf, false, "found_inf");
+  return std::make_unique<NoiseTap>(params, found_inf);
+}
+
 }  // namespace
 
 void bind_scale_accumulate(py::module_& m) {
@@ -267,6 +275,15 @@ void bind_scale_accumulate(py::module_& m) {
         py::arg("acc_sq_norm"), py::arg("found_inf"),
         "accumulators[i] += grads[i] with the squares of the grads into sq_norm and of the accumulators as read "
         "into acc_sq_norm (in one pass), found_inf = 1.0 where one is inf or NaN.");
+  py::class_<NoiseTap>(m, "_NoiseTap",
+                       "Each parameter's gradient into its .grad with its squares as autograd accumulates it "
+                       "(ops/noise_tap.h); detach() removes its hooks.")
+      .def(py::init(&make_tap), py::arg("params"), py::arg("found_inf"))
+      .def("next", &NoiseTap::next, "The next micro-batch begins: its squares add up apart.")
+      .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
+      .def("read_pending", &NoiseTap::read_pending, py::call_guard<py::gil_scoped_release>(),
+           "The squares of the sums still one gradient as taken, into their micro-batches' slots.")
+      .def("detach", &NoiseTap::detach, "Remove the hooks.");
 }
 
 }  // namespace mbs

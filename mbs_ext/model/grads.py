@@ -11,13 +11,14 @@ extra pass and no host sync), and the sum is cast into ``.grad`` once at the end
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mbs_ext.ops import add_squares_, scale_accumulate_, sum_squares_
+from mbs_ext.ops import noise_tap, scale_accumulate_, sum_squares_
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Each parameter's view into a flat buffer starts on this boundary. Gradients are
@@ -58,13 +59,17 @@ class NoiseSums:
     views made only as they are needed (each costs microseconds on the CPU, more right after a
     backward has pushed the interpreter's memory out of the caches: 64 made at once took 0.16 ms).
     ``folded``: the weights rode the losses, so each sum of squares is of a gradient already
-    weighed by ``w_j`` (``w_j^2 |g_j|^2``)."""
+    weighed by ``w_j`` (``w_j^2 |g_j|^2``). ``host``: where the sums of squares are host numbers
+    kept elsewhere (the CPU's tap, :class:`TakenGrads`), what reads them, one per micro-batch in
+    order; :meth:`slot` is then never called."""
 
     BLOCK = 64  # elements of a vector of sums
 
-    def __init__(self, device: torch.device, folded: bool = False) -> None:
+    def __init__(self, device: torch.device, folded: bool = False,
+                 host: Callable[[], list[float]] | None = None) -> None:
         self.device = device
         self.folded = folded
+        self.host = host
         self.blocks: list[torch.Tensor] = []
         self.slots: list[torch.Tensor] = []
         self.weights: list[float | torch.Tensor] = []
@@ -100,13 +105,16 @@ class NoiseSums:
             count = float(sum(w != 0 for w in weights))
             # Folded: w_j^2 |g_j|^2 / w_j (a weight of 0 added nothing: its factor is 0, not 1/0).
             factors = [(1.0 / w if w else 0.0) if self.folded else float(w) for w in weights]
-            if self.device.type == "cpu":  # host numbers already: summed here, in order
-                values = [v for block in self.blocks for v in block.tolist()]
+            if self.host is not None or self.device.type == "cpu":  # host numbers: summed here, in order
+                values = self.host() if self.host is not None else [v for block in self.blocks for v in block.tolist()]
                 return math.fsum(f * v for f, v in zip(factors, values)), count
             # On a device the host factors ride a fused multiply's launch (a tensor of them would be
             # a copy from pageable memory, which waits for the device).
             return torch.stack(torch._foreach_mul(list(self.slots[: len(weights)]), factors)).sum(), count
-        squares = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks))[: len(weights)]
+        if self.host is not None:
+            squares = torch.tensor(self.host()[: len(weights)], dtype=torch.float64, device=self.device)
+        else:
+            squares = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks))[: len(weights)]
         stacked = torch.stack([w.to(self.device, torch.float64) if isinstance(w, torch.Tensor)
                                else torch.full((), float(w), dtype=torch.float64, device=self.device)
                                for w in weights])
@@ -115,108 +123,74 @@ class NoiseSums:
 
 
 class TakenGrads:
-    """Accumulators that start as each parameter's first gradient, as autograd's ``.grad`` does.
+    """Sums that are each parameter's ``.grad`` itself, as autograd's are, with each micro-batch's
+    squares taken on the way in.
 
     The noise scale reads each micro-batch's gradient on its way into the sums, which takes the
     op rather than autograd's own accumulation. Flat buffers for that (:class:`GradBuffers`) cost
     a step two passes over memory more than ``.grad`` does: the buffer zeroed, and the first
-    micro-batch's gradient added into it. Here a parameter's first gradient becomes its sum as it
-    is, and later ones add into it through the op with their squares, at scale 1: the micro-
+    micro-batch's gradient added into it. Here a tap before autograd's accumulation
+    (:func:`~mbs_ext.ops.noise_tap`) lets a parameter's first gradient become its ``.grad`` as it
+    is and adds each later one into it through the op with its squares, at scale 1 (the micro-
     batches' weights ride their losses, as with ``.grad``, and :class:`NoiseSums` divides them
-    out of the squares. The first gradient's own squares come with its next addition
-    (:func:`~mbs_ext.ops.add_squares_` squares the sum as it reads it to update it), or, for a
-    parameter no later micro-batch reaches, from one read at the end: no pass of their own. For
-    one process on the CPU, parameters of the accumulation dtype (nothing to cast, no collective
-    over flat buffers): :func:`takes_grads`.
+    out of the squares), inside the backward: the gradient read while still in the caches, its
+    memory free for the next parameter's, no Python per parameter. The first gradient's own
+    squares come with its next addition, or, for a parameter no later micro-batch reaches, from
+    one read at the end: no pass of their own. For one process on the CPU, parameters of the
+    accumulation dtype (nothing to cast, no collective over flat buffers): :func:`takes_grads`.
     """
 
-    folds = True  # the caller weighs each micro-batch's loss; add_ adds at scale 1
+    folds = True  # the caller weighs each micro-batch's loss; the tap adds at scale 1
     casts = False  # .grad is the sums themselves: no cast that could overflow
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.accs: list[torch.Tensor | None] = [None] * len(params)
-        # The micro-batch whose gradient a parameter's sum still is, as taken (its squares not
-        # yet summed: the parameter's next addition sums them, add_squares_, or finish() reads them).
-        self.pending: list[int | None] = [None] * len(params)
-        self.got = [False] * len(params)
         self.device = params[0].device if params else torch.device("cpu")
         self.found_inf = [torch.zeros((), dtype=torch.float32, device=self.device)]
-        self.noise = NoiseSums(self.device, folded=True)
+        self.tap = noise_tap(params, self.found_inf[0])  # detached by release()
+        self.noise = NoiseSums(self.device, folded=True, host=self.tap.squares)
         self.sum_nonfinite: torch.Tensor | None = None  # never set: the final check shares found_inf
         self.batch_sq: torch.Tensor | None = None  # |sum|^2 of the final sums, set by finish()
 
-    def add_(self, weight: float | torch.Tensor) -> None:
-        """Take or add every parameter's gradient (already weighed by ``weight``), then drop it."""
-        index = len(self.noise.weights)  # this micro-batch's
-        accs, grads = [], []
-        taken: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # by the micro-batch taken at
-        for j, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                continue
-            p.grad = None
-            # autograd's .grad is dense and laid out like its parameter (or contiguous); a sparse
-            # one (nn.Embedding(sparse=True)) is taken or added as a dense copy.
-            g = g.to_dense() if g.is_sparse else g
-            acc, first = self.accs[j], self.pending[j]
-            if acc is None:
-                self.accs[j], self.pending[j] = g, index
-            elif first is not None and acc.stride() == g.stride():
-                pair = taken.setdefault(first, ([], []))
-                pair[0].append(acc)
-                pair[1].append(g)
-                self.pending[j] = None
-            else:
-                if first is not None:  # laid out otherwise than its gradient: its squares read first
-                    sum_squares_([acc], self.noise.slots[first], self.found_inf[0])
-                    self.pending[j] = None
-                accs.append(acc)
-                grads.append(g)
-            self.got[j] = True
-        squares, flag = self.noise.slot(), self.found_inf[0]
-        for first, (taken_accs, taken_grads) in taken.items():
-            add_squares_(taken_accs, taken_grads, squares, self.noise.slots[first], flag)
-        if accs:
-            scale_accumulate_(accs, grads, 1.0, flag, sq_norm=squares)
-        self.noise.add(weight)
+    @property
+    def got(self) -> list[bool]:
+        """Which parameters got a gradient (the step began with every ``.grad`` None)."""
+        return [p.grad is not None for p in self.params]
 
-    def read_pending(self) -> None:
-        """The squares of the sums that are still one gradient as taken, into their micro-batches'."""
-        by_first: dict[int, list[torch.Tensor]] = {}
-        for j, first in enumerate(self.pending):
-            if first is not None:
-                by_first.setdefault(first, []).append(self.accs[j])
-                self.pending[j] = None
-        for first, tensors in by_first.items():
-            sum_squares_(tensors, self.noise.slots[first], self.found_inf[0])
+    def add_(self, weight: float | torch.Tensor) -> None:
+        """The weight of the micro-batch whose backward just ran (its gradients, weighed by it,
+        went into the sums during the backward); the next one's squares add up apart."""
+        self.noise.add(weight)
+        self.tap.next()
+
+    def sums(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
-        self.read_pending()
+        self.tap.read_pending()
         return self.noise.sums()
 
     def mul_(self, factor: float | torch.Tensor) -> None:
-        self.read_pending()  # squares of the gradients as taken, not as rescaled
-        scale_([acc for acc in self.accs if acc is not None], factor)
+        self.tap.read_pending()  # squares of the gradients as taken, not as rescaled
+        scale_(self.sums(), factor)
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
         return self.found_inf[0].to(device)
 
     def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None) -> None:
-        """Rescale the sums and hand them to ``.grad`` (no copy); their squared norm and
-        non-finite check in one read. One process: ``group`` is always None here."""
+        """Rescale the sums (already the ``.grad``); their squared norm and non-finite check in
+        one read. One process: ``group`` is always None here, and ``got_any`` is :attr:`got`."""
         self.mul_(factor)
-        for p, acc, got in zip(self.params, self.accs, got_any):
-            p.grad = acc if got else None
         self.batch_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        taken = [acc for acc in self.accs if acc is not None]
+        taken = self.sums()
         if taken:  # the final sums' flag joins the micro-batches' own: one flag to read
             sum_squares_(taken, self.batch_sq, self.found_inf[0])
         self.release()
 
     def release(self) -> None:
-        """Drop the sums (after :meth:`finish`, or when a step fails)."""
-        self.accs = [None] * len(self.params)
+        """Remove the tap's hooks (after :meth:`finish`, or when a step fails: the step's
+        rollback clears the ``.grad`` it left)."""
+        self.tap.detach()
 
 
 def takes_grads(params: list[nn.Parameter], dtype: torch.dtype) -> bool:

@@ -1,0 +1,160 @@
+// The noise scale's tap: hooks before autograd's accumulation (ops/noise_tap.h says why).
+#include "ops/noise_tap.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "ops/kernels.h"
+
+namespace mbs {
+
+namespace ag = torch::autograd;
+
+constexpr int64_t kNone = -1;
+
+struct TapState {
+  std::vector<at::Tensor> params;
+  // Per parameter: the micro-batch whose gradient its sum still is, as autograd took it (its
+  // squares not yet summed), or kNone.
+  std::vector<int64_t> pending;
+  std::vector<double> squares;  // per micro-batch; the last is the running one's
+  at::Tensor found_inf;
+  // 0-dim float64s the kernels add their sums of squares to, read into `squares` after each call.
+  at::Tensor scratch = at::zeros({}, at::kDouble);
+  at::Tensor scratch_first = at::zeros({}, at::kDouble);
+
+  // Sums of squares of `tensors` into micro-batch `index`'s.
+  void read(const at::Tensor& tensor, int64_t index);
+};
+
+namespace {
+
+// What autograd's accumulation node of a leaf is held by (a shared or an intrusive pointer,
+// by torch version).
+using AccumulatorPtr = decltype(ag::impl::grad_accumulator(std::declval<const ag::Variable&>()));
+
+void bump_version(const at::Tensor& t) {
+  if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+at::Tensor dense(const at::Tensor& t) { return t.is_non_overlapping_and_dense() ? t : t.contiguous(); }
+
+// Zeroed for a kernel to add to; what it added.
+double& zeroed(const at::Tensor& scratch) {
+  double& value = *scratch.data_ptr<double>();
+  value = 0.0;
+  return value;
+}
+
+// Whether `g` adds into `sum` in place through the kernels: one dtype and layout, dense, apart.
+bool fusable(const at::Tensor& sum, const at::Tensor& g) {
+  return sum.scalar_type() == g.scalar_type() && sum.sizes() == g.sizes() && sum.strides() == g.strides() &&
+         sum.is_non_overlapping_and_dense() && !sum.is_alias_of(g);
+}
+
+class TapHook final : public ag::FunctionPreHook {
+ public:
+  TapHook(std::weak_ptr<TapState> state, size_t index) : state_(std::move(state)), index_(index) {}
+
+  ag::variable_list operator()(const ag::variable_list& grads) override {
+    const std::shared_ptr<TapState> state = state_.lock();
+    if (!state || grads.size() != 1 || !grads[0].defined()) return grads;
+    // A sparse gradient (nn.Embedding(sparse=True)) goes on as a dense one: the sums are dense.
+    ag::variable_list out{grads[0].is_sparse() ? grads[0].to_dense() : grads[0]};
+    const at::Tensor& g = out[0];
+    at::Tensor& sum = state->params[index_].mutable_grad();
+    const auto current = static_cast<int64_t>(state->squares.size()) - 1;
+    if (!sum.defined()) {  // its first gradient of the step: autograd takes it as the sum
+      state->pending[index_] = current;
+      return out;
+    }
+    const int64_t first = std::exchange(state->pending[index_], kNone);
+    if (!fusable(sum, g)) {  // autograd adds it, as it would without the noise scale; squares read apart
+      if (first != kNone) state->read(sum, first);
+      state->read(g, current);
+      return out;
+    }
+    const at::Tensor& flag = state->found_inf;
+    double& squares = zeroed(state->scratch);
+    if (first != kNone) {
+      double& first_squares = zeroed(state->scratch_first);
+      add_squares_cpu({sum}, {g}, state->scratch, state->scratch_first, flag);
+      state->squares[static_cast<size_t>(first)] += first_squares;
+    } else {
+      kernel_for(c10::DeviceType::CPU)({sum}, {g}, Scale{nullptr, 1.0}, flag, &state->scratch, sum.device());
+    }
+    state->squares.back() += squares;
+    bump_version(sum);
+    bump_version(flag);
+    // The sum goes on in the gradient's place with .grad emptied: autograd takes it back as it is.
+    out[0] = std::exchange(sum, at::Tensor());
+    return out;
+  }
+
+ private:
+  std::weak_ptr<TapState> state_;
+  size_t index_;
+};
+
+}  // namespace
+
+void TapState::read(const at::Tensor& tensor, int64_t index) {
+  double& value = zeroed(scratch);
+  sum_squares_cpu({dense(tensor)}, scratch, found_inf);
+  squares[static_cast<size_t>(index)] += value;
+  bump_version(found_inf);
+}
+
+struct TapHooks {
+  std::vector<AccumulatorPtr> accumulators;  // held: a forward reuses them, hooks and all
+  std::vector<const ag::FunctionPreHook*> hooks;
+};
+
+NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
+    : state_(std::make_shared<TapState>()), hooks_(std::make_unique<TapHooks>()) {
+  state_->pending.assign(params.size(), kNone);
+  state_->squares.assign(1, 0.0);
+  state_->params = std::move(params);
+  state_->found_inf = std::move(found_inf);
+  for (size_t j = 0; j < state_->params.size(); ++j) {
+    const at::Tensor& p = state_->params[j];
+    TORCH_CHECK(p.is_leaf() && p.requires_grad(), "NoiseTap: parameter ", j, " is not a leaf that requires grad");
+    AccumulatorPtr accumulator = ag::impl::grad_accumulator(p);
+    auto hook = std::make_unique<TapHook>(state_, j);
+    hooks_->hooks.push_back(hook.get());
+    accumulator->add_pre_hook(std::move(hook));
+    hooks_->accumulators.push_back(std::move(accumulator));
+  }
+}
+
+NoiseTap::~NoiseTap() { detach(); }
+
+void NoiseTap::next() { state_->squares.push_back(0.0); }
+
+const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
+
+void NoiseTap::read_pending() {
+  for (size_t j = 0; j < state_->params.size(); ++j) {
+    const int64_t first = std::exchange(state_->pending[j], kNone);
+    const at::Tensor& sum = state_->params[j].grad();
+    if (first != kNone && sum.defined()) state_->read(sum, first);
+  }
+}
+
+void NoiseTap::detach() {
+  for (size_t j = 0; j < hooks_->accumulators.size(); ++j) {
+    auto& pre_hooks = hooks_->accumulators[j]->pre_hooks();
+    const ag::FunctionPreHook* ours = hooks_->hooks[j];
+    pre_hooks.erase(std::remove_if(pre_hooks.begin(), pre_hooks.end(),
+                                   [ours](const std::unique_ptr<ag::FunctionPreHook>& h) { return h.get() == ours; }),
+                    pre_hooks.end());
+  }
+  hooks_->accumulators.clear();
+  hooks_->hooks.clear();
+}
+
+}  // namespace mbs

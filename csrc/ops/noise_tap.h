@@ -1,0 +1,50 @@
+// The noise scale's tap on the CPU (mbs_ext/model/grads.py, TakenGrads): each parameter's gradient
+// of a micro-batch goes into its sum, with its squares, as the backward hands it to autograd's
+// accumulation, while it is still in the caches.
+//
+// A hook before each parameter's AccumulateGrad node (a node pre-hook: it leaves the parameter's
+// own tensor hooks, Python's or C++'s, as they are) sees the gradient autograd is about to
+// accumulate. The parameter's first gradient of the step goes on to autograd, which takes it as
+// the .grad (the sum). A later one is added into the sum by the op's CPU kernel with its squares
+// (scale 1: the micro-batch's weight rode its loss), and the sum is handed back in its place with
+// .grad emptied, so that autograd takes the sum back rather than adding: one pass over the sum,
+// as autograd's own `.grad += g` would make, with the squares in it. The first gradient's own
+// squares come with the sum's next addition (add_squares_cpu) or from read_pending(). The sums of
+// squares are host numbers, one per micro-batch: no tensor per micro-batch, no Python per parameter.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+namespace mbs {
+
+struct TapState;
+struct TapHooks;
+
+class NoiseTap {
+ public:
+  // params: the step's parameters (dense CPU float leaves that require grad), their .grad empty;
+  // found_inf: the 0-dim float32 flag every kernel call here sets on inf/NaN.
+  NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf);
+  ~NoiseTap();
+  NoiseTap(const NoiseTap&) = delete;
+  NoiseTap& operator=(const NoiseTap&) = delete;
+
+  // The next micro-batch begins (after the last one's backward): its squares add up apart.
+  void next();
+  // Each micro-batch's sum of squares of its gradient (float64), the running one's last.
+  const std::vector<double>& squares() const;
+  // The squares of the sums that are still one gradient as autograd took it, into those of
+  // the micro-batch it came from (before the sums are rescaled or read).
+  void read_pending();
+  // Remove the hooks (after the step, or when it fails); the destructor does it too.
+  void detach();
+
+ private:
+  std::shared_ptr<TapState> state_;
+  std::unique_ptr<TapHooks> hooks_;
+};
+
+}  // namespace mbs
