@@ -162,13 +162,15 @@ def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_i
 def noise_tap(params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> Any:
     """Hooks before autograd's accumulation into each of ``params``' ``.grad`` (until its
     ``detach()``): a parameter's first gradient of the step becomes its ``.grad`` as it is,
-    each later one is added into it by the op's CPU kernel with its squares, into the 0-dim
-    float64 last given to ``aim(slot)``, in the one pass over the sum that autograd's own
-    addition would make, while the gradient is still in the caches; ``read_pending()`` adds the
-    squares of sums that are still a first gradient into the slot it came with. No Python runs
-    per parameter (csrc/ops/noise_tap.h). The noise scale's sums on the CPU
-    (mbs_ext/model/grads.py). A helper as :func:`sum_squares_` is: dense CPU float parameters
-    that are leaves requiring grad, a 0-dim float32 ``found_inf`` set on inf/NaN."""
+    each later one is added into it by the op's CPU loop with its squares, into the sum of squares
+    of the running micro-batch (``next()`` begins the next one; ``squares()`` lists them, host
+    floats), in the one pass over the sum that autograd's own addition would make, while the
+    gradient is still in the caches; ``read_pending()`` adds the squares of sums that are still
+    a first gradient to the micro-batch it came with; ``sum_squares()`` reads the final sums'
+    squared norm with their non-finite check. No Python runs per parameter
+    (csrc/ops/noise_tap.h). The noise scale's sums on the CPU (mbs_ext/model/grads.py). A helper
+    as :func:`sum_squares_` is: dense CPU float parameters that are leaves requiring grad, a
+    0-dim float32 ``found_inf`` set on inf/NaN."""
     return _C._NoiseTap(_as_list("params", params), found_inf)
 
 

@@ -283,6 +283,8 @@ void bind_scale_accumulate(py::module_& m) {
       .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
       .def("read_pending", &NoiseTap::read_pending, py::call_guard<py::gil_scoped_release>(),
            "The squares of the sums still one gradient as taken, into their micro-batches' slots.")
+      .def("sum_squares", &NoiseTap::sum_squares, py::call_guard<py::gil_scoped_release>(),
+           "read_pending(), then the squared norm of the final sums (the .grad) with their non-finite check.")
       .def("detach", &NoiseTap::detach, "Remove the hooks.");
 }
 

@@ -25,7 +25,7 @@ struct TapState {
   at::Tensor found_inf;
   // 0-dim float64s the kernels add their sums of squares to, read into `squares` after each call.
   at::Tensor scratch = at::zeros({}, at::kDouble);
-  at::Tensor scratch_first = at::zeros({}, at::kDouble);
+  at::Tensor scratch_sum = at::zeros({}, at::kDouble);
 
   // Sums of squares of `tensors` into micro-batch `index`'s.
   void read(const at::Tensor& tensor, int64_t index);
@@ -78,16 +78,15 @@ class TapHook final : public ag::FunctionPreHook {
       state->read(g, current);
       return out;
     }
+    // One kernel for every addition: the sum's own squares come with it (compute only: the sum
+    // is read anyway), kept where the sum is still a first gradient as taken. Called here directly,
+    // add_squares_cpu is the cheaper of the two (the op's entry also lays out pairs and a scale).
     const at::Tensor& flag = state->found_inf;
     double& squares = zeroed(state->scratch);
-    if (first != kNone) {
-      double& first_squares = zeroed(state->scratch_first);
-      add_squares_cpu({sum}, {g}, state->scratch, state->scratch_first, flag);
-      state->squares[static_cast<size_t>(first)] += first_squares;
-    } else {
-      kernel_for(c10::DeviceType::CPU)({sum}, {g}, Scale{nullptr, 1.0}, flag, &state->scratch, sum.device());
-    }
+    double& sum_squares = zeroed(state->scratch_sum);
+    add_squares_cpu({sum}, {g}, state->scratch, state->scratch_sum, flag);
     state->squares.back() += squares;
+    if (first != kNone) state->squares[static_cast<size_t>(first)] += sum_squares;
     bump_version(sum);
     bump_version(flag);
     // The sum goes on in the gradient's place with .grad emptied: autograd takes it back as it is.
@@ -143,6 +142,18 @@ void NoiseTap::read_pending() {
     const at::Tensor& sum = state_->params[j].grad();
     if (first != kNone && sum.defined()) state_->read(sum, first);
   }
+}
+
+double NoiseTap::sum_squares() {
+  read_pending();
+  std::vector<at::Tensor> sums;
+  for (const at::Tensor& p : state_->params) {
+    if (p.grad().defined()) sums.push_back(dense(p.grad()));
+  }
+  double& value = zeroed(state_->scratch);
+  sum_squares_cpu(sums, state_->scratch, state_->found_inf);
+  bump_version(state_->found_inf);
+  return value;
 }
 
 void NoiseTap::detach() {

@@ -5,12 +5,13 @@
 // A hook before each parameter's AccumulateGrad node (a node pre-hook: it leaves the parameter's
 // own tensor hooks, Python's or C++'s, as they are) sees the gradient autograd is about to
 // accumulate. The parameter's first gradient of the step goes on to autograd, which takes it as
-// the .grad (the sum). A later one is added into the sum by the op's CPU kernel with its squares
-// (scale 1: the micro-batch's weight rode its loss), and the sum is handed back in its place with
-// .grad emptied, so that autograd takes the sum back rather than adding: one pass over the sum,
-// as autograd's own `.grad += g` would make, with the squares in it. The first gradient's own
-// squares come with the sum's next addition (add_squares_cpu) or from read_pending(). The sums of
-// squares are host numbers, one per micro-batch: no tensor per micro-batch, no Python per parameter.
+// the .grad (the sum). A later one is added into the sum by the op's CPU loop with its squares
+// (add_squares_cpu, at scale 1: the micro-batch's weight rode its loss), and the sum is handed
+// back in its place with .grad emptied, so that autograd takes the sum back rather than adding:
+// one pass over the sum, as autograd's own `.grad += g` would make, with the squares in it. The
+// first gradient's own squares come with the sum's next addition or from read_pending(). The
+// sums of squares are host numbers, one per micro-batch: no tensor per micro-batch, no Python
+// per parameter.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,9 @@ class NoiseTap {
   // The squares of the sums that are still one gradient as autograd took it, into those of
   // the micro-batch it came from (before the sums are rescaled or read).
   void read_pending();
+  // read_pending(), then the squared norm of the sums (every parameter's .grad) in one read, their
+  // non-finite check setting found_inf: the step's |G_B|^2, once the sums are final.
+  double sum_squares();
   // Remove the hooks (after the step, or when it fails); the destructor does it too.
   void detach();
 

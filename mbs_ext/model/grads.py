@@ -150,7 +150,7 @@ class TakenGrads:
         self.tap = noise_tap(params, self.found_inf[0])  # detached by release()
         self.noise = NoiseSums(self.device, folded=True, host=self.tap.squares)
         self.sum_nonfinite: torch.Tensor | None = None  # never set: the final check shares found_inf
-        self.batch_sq: torch.Tensor | None = None  # |sum|^2 of the final sums, set by finish()
+        self.batch_sq: float | None = None  # |sum|^2 of the final sums, set by finish()
 
     @property
     def got(self) -> list[bool]:
@@ -163,28 +163,25 @@ class TakenGrads:
         self.noise.add(weight)
         self.tap.next()
 
-    def sums(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
     def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
         self.tap.read_pending()
         return self.noise.sums()
 
     def mul_(self, factor: float | torch.Tensor) -> None:
         self.tap.read_pending()  # squares of the gradients as taken, not as rescaled
-        scale_(self.sums(), factor)
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
+            scale_([p.grad for p in self.params if p.grad is not None], factor)
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
         return self.found_inf[0].to(device)
 
-    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None) -> None:
-        """Rescale the sums (already the ``.grad``); their squared norm and non-finite check in
-        one read. One process: ``group`` is always None here, and ``got_any`` is :attr:`got`."""
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool] | None = None, group: Any = None) -> None:
+        """Rescale the sums (already the ``.grad``: a parameter no micro-batch reached has none);
+        their squared norm and non-finite check in one read. One process: ``got_any`` (this
+        process's own) and ``group`` (None) say nothing here."""
         self.mul_(factor)
-        self.batch_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        taken = self.sums()
-        if taken:  # the final sums' flag joins the micro-batches' own: one flag to read
-            sum_squares_(taken, self.batch_sq, self.found_inf[0])
+        # A host number: the final sums' flag joins the micro-batches' own, one flag to read.
+        self.batch_sq = self.tap.sum_squares()
         self.release()
 
     def release(self) -> None:
@@ -315,11 +312,13 @@ class GradBuffers:
             found = torch.maximum(found, flag.to(device))
         return found
 
-    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None) -> None:
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool] | None = None, group: Any = None) -> None:
         """Rescale the sums, add them up over the DDP ``group``, cast them into ``.grad``.
 
-        Parameters no micro-batch reached (on any rank) keep ``.grad = None``.
+        Parameters no micro-batch reached (on any rank: ``got_any``; None, this process's own)
+        keep ``.grad = None``.
         """
+        got_any = self.got if got_any is None else got_any
         self.mul_(factor)
         if group is not None:
             self.all_reduce(group)
@@ -564,7 +563,7 @@ class BufferSink:
             denom = denom.to(sq.device)
         return sq * denom
 
-    def finish(self, factor: float | torch.Tensor, got_any: list[bool], group: Any = None,
+    def finish(self, factor: float | torch.Tensor, got_any: list[bool] | None = None, group: Any = None,
                found: torch.Tensor | None = None) -> None:
         """Rescale the sums, add them up over the DDP ``group``, cast them into ``.grad``;
         ``found`` is the non-finite flag over all ranks (the summed buffers carry every

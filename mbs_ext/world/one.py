@@ -162,7 +162,7 @@ class World:
         if not normalizer.settled:
             normalizer.settle()
         if sink.buffered:
-            sink.finish(normalizer.rescale_factor(), sink.presence())
+            sink.finish(normalizer.rescale_factor())  # alone: its own gradients are all there are
         return _ALONE
 
     # ---- failures and back-off
