@@ -368,3 +368,22 @@ def test_odd_gradients_and_the_users_hooks_count_as_autograd_accumulates_them():
         F.cross_entropy(net(x), y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad.to_dense(), q.grad.to_dense())
+
+
+def test_under_compiled_autograd_the_noise_is_measured_as_in_eager_mode():
+    """Compiled autograd traces the backward's hooks: the step measures there through buffers
+    (the gradients read after each backward) and gives the sums of the eager step."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    if not hasattr(compiled_autograd, "_enable"):
+        pytest.skip("this torch has no compiled_autograd._enable")
+    model = _model()
+    eager = copy.deepcopy(model)
+    x, y = _batch(16, ignored=0.2)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        noise = mbs_ext.accumulate(model, (x, y), nn.CrossEntropyLoss(), micro_batch_size=4, noise_scale=True).noise
+    expected = mbs_ext.accumulate(eager, (x, y), nn.CrossEntropyLoss(), micro_batch_size=4, noise_scale=True).noise
+    assert noise.micro_batches == expected.micro_batches == 4
+    assert math.isclose(noise.micro_sq, expected.micro_sq, rel_tol=1e-12)
+    assert math.isclose(noise.batch_sq, expected.batch_sq, rel_tol=1e-12)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)

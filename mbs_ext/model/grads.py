@@ -11,6 +11,7 @@ extra pass and no host sync), and the sum is cast into ``.grad`` once at the end
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -192,8 +193,17 @@ class TakenGrads:
 
 def takes_grads(params: list[nn.Parameter], dtype: torch.dtype) -> bool:
     """Whether :class:`TakenGrads` can accumulate ``params`` in ``dtype``: on the CPU (where
-    :func:`~mbs_ext.ops.sum_squares_` runs), each of that dtype (its gradients are the sums)."""
-    return bool(params) and all(p.device.type == "cpu" and p.dtype == dtype for p in params)
+    :func:`~mbs_ext.ops.noise_tap` runs), each of that dtype (its gradients are the sums), and
+    not under compiled autograd (which traces the backward's hooks, and cannot trace the tap's
+    C++ one: the buffers' path then reads the gradients after each backward)."""
+    return (bool(params) and all(p.device.type == "cpu" and p.dtype == dtype for p in params)
+            and not _compiled_autograd())
+
+
+def _compiled_autograd() -> bool:
+    """Whether backward runs under compiled autograd now (its module is loaded only once used)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(module is not None and getattr(module, "compiled_autograd_enabled", False))
 
 
 class BufferPool:
