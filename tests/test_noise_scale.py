@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
 
 import mbs_ext
 from mbs_ext.diagnostics import split_sizes
@@ -387,3 +389,43 @@ def test_under_compiled_autograd_the_noise_is_measured_as_in_eager_mode():
     assert math.isclose(noise.batch_sq, expected.batch_sq, rel_tol=1e-12)
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+class _Reentrant(nn.Module):
+    """``shared`` runs in two segments of reentrant checkpointing: autograd hands it its gradient
+    in two parts within each micro-batch's backward, one per segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.shared, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.shared, torch.tanh(self.inp(x)), use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return self.head(h)
+
+
+def test_a_gradient_in_parts_is_said_then_measured_after_each_backward():
+    """Reentrant checkpointing hands a parameter its micro-batch's gradient in parts: the squares
+    of the parts are not the micro-batch's. The step says so (a warning, NaN noise, the averages
+    untouched) with its gradients exact, and the next steps measure exactly (against micro-batch
+    gradients by hand, float64)."""
+    torch.manual_seed(6)
+    model = _Reentrant().double()
+    reference = copy.deepcopy(model)
+    x, y = _batch(20, seed=4)
+    sizes = split_sizes(20, 6)
+    micro_sq, g_b = _by_hand(reference, x, y, sizes)
+    streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
+                                          micro_batch_size=6, noise_scale=True)
+    with pytest.warns(RuntimeWarning, match="in parts within one micro-batch"):
+        first = streamer.step((x, y)).noise
+    assert math.isnan(first.micro_sq) and math.isnan(first.trace) and first.steps == 0
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert torch.allclose(got, g_b, rtol=1e-10, atol=1e-14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        second = streamer.step((x, y)).noise
+    assert second.steps == 1 and second.micro_batches == len(sizes)
+    assert math.isclose(second.micro_sq, micro_sq, rel_tol=1e-10), (second.micro_sq, micro_sq)
+    assert math.isclose(second.batch_sq, float(g_b.square().sum()), rel_tol=1e-10)

@@ -281,6 +281,8 @@ void bind_scale_accumulate(py::module_& m) {
       .def(py::init(&make_tap), py::arg("params"), py::arg("found_inf"))
       .def("next", &NoiseTap::next, "The next micro-batch begins: its squares add up apart.")
       .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
+      .def("split", &NoiseTap::split,
+           "Whether a gradient came in parts within one micro-batch (or under grad mode): squares not measured.")
       .def("read_pending", &NoiseTap::read_pending, py::call_guard<py::gil_scoped_release>(),
            "The squares of the sums still one gradient as taken, into their micro-batches' slots.")
       .def("sum_squares", &NoiseTap::sum_squares, py::call_guard<py::gil_scoped_release>(),

@@ -5,7 +5,10 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <c10/core/GradMode.h>
+
 #include <algorithm>
+#include <unordered_set>
 #include <utility>
 
 #include "ops/kernels.h"
@@ -21,6 +24,11 @@ struct TapState {
   // Per parameter: the micro-batch whose gradient its sum still is, as autograd took it (its
   // squares not yet summed), or kNone.
   std::vector<int64_t> pending;
+  // Per parameter: the micro-batch of the last gradient it was handed, or kNone.
+  std::vector<int64_t> last;
+  // A parameter's gradient came in parts within one micro-batch (reentrant checkpointing, a
+  // second backward) or under grad mode: the squares taken are not the micro-batches' own.
+  bool split = false;
   std::vector<double> squares;  // per micro-batch; the last is the running one's
   at::Tensor found_inf;
   // 0-dim float64s the kernels add their sums of squares to, read into `squares` after each call.
@@ -63,11 +71,19 @@ class TapHook final : public ag::FunctionPreHook {
   ag::variable_list operator()(const ag::variable_list& grads) override {
     const std::shared_ptr<TapState> state = state_.lock();
     if (!state || grads.size() != 1 || !grads[0].defined()) return grads;
+    const auto current = static_cast<int64_t>(state->squares.size()) - 1;
+    // Squares of the parts are not the square of their sum (and an in-place add under grad mode
+    // would escape the graph): autograd accumulates as it would without the tap, and the step
+    // says it could not measure (TakenGrads).
+    if (state->last[index_] == current || c10::GradMode::is_enabled()) {
+      state->split = true;
+      return grads;
+    }
+    state->last[index_] = current;
     // A sparse gradient (nn.Embedding(sparse=True)) goes on as a dense one: the sums are dense.
     ag::variable_list out{grads[0].is_sparse() ? grads[0].to_dense() : grads[0]};
     const at::Tensor& g = out[0];
     at::Tensor& sum = state->params[index_].mutable_grad();
-    const auto current = static_cast<int64_t>(state->squares.size()) - 1;
     if (!sum.defined()) {  // its first gradient of the step: autograd takes it as the sum
       state->pending[index_] = current;
       return out;
@@ -115,7 +131,13 @@ struct TapHooks {
 
 NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
     : state_(std::make_shared<TapState>()), hooks_(std::make_unique<TapHooks>()) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const at::Tensor& p : params) {
+    TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
+                "NoiseTap: a parameter is listed twice (its gradient would count twice)");
+  }
   state_->pending.assign(params.size(), kNone);
+  state_->last.assign(params.size(), kNone);
   state_->squares.assign(1, 0.0);
   state_->params = std::move(params);
   state_->found_inf = std::move(found_inf);
@@ -135,6 +157,8 @@ NoiseTap::~NoiseTap() { detach(); }
 void NoiseTap::next() { state_->squares.push_back(0.0); }
 
 const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
+
+bool NoiseTap::split() const { return state_->split; }
 
 void NoiseTap::read_pending() {
   for (size_t j = 0; j < state_->params.size(); ++j) {

@@ -37,6 +37,10 @@ class NoiseTap {
   void next();
   // Each micro-batch's sum of squares of its gradient (float64), the running one's last.
   const std::vector<double>& squares() const;
+  // Whether a parameter's gradient came in parts within one micro-batch (reentrant
+  // checkpointing, a second backward) or under grad mode: autograd then accumulated it without
+  // the tap, and the squares taken are not the micro-batches' own.
+  bool split() const;
   // The squares of the sums that are still one gradient as autograd took it, into those of
   // the micro-batch it came from (before the sums are rescaled or read).
   void read_pending();

@@ -164,9 +164,17 @@ class TakenGrads:
         self.noise.add(weight)
         self.tap.next()
 
+    @property
+    def split(self) -> bool:
+        """Whether a parameter's gradient came in parts within one micro-batch (reentrant
+        checkpointing, a second backward): autograd accumulated it as it does without the noise,
+        but the squares taken are not the micro-batches' own (:meth:`micro_sums` says NaN)."""
+        return self.tap.split()
+
     def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
         self.tap.read_pending()
-        return self.noise.sums()
+        sq, count = self.noise.sums()
+        return (math.nan if self.split else sq), count
 
     def mul_(self, factor: float | torch.Tensor) -> None:
         self.tap.read_pending()  # squares of the gradients as taken, not as rescaled
@@ -251,6 +259,7 @@ class GradBuffers:
 
     folds = False  # the op weighs each micro-batch's gradient on its way in
     casts = True  # .grad may be a cast of the sums (into fp16: checked for overflow)
+    split = False  # each micro-batch's gradient is read whole, after its backward
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, noise: bool = False,
                  pool: BufferPool | None = None) -> None:

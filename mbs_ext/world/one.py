@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -105,13 +106,16 @@ class World:
     # The accumulation buffers of the last step, which the next one reuses (made by the first step
     # that accumulates in buffers: a world's steps share them, one at a time).
     pool: BufferPool | None = None
+    # Whether the noise scale may take its squares inside the backward (mbs_ext.ops.noise_tap):
+    # not after a step whose gradients came in parts within a micro-batch (collect says so).
+    tap_ok = True
 
     def start(self, params: list[nn.Parameter], device: torch.device, requested: torch.dtype | None) -> Sink:
         """Buffers as every rank has them, then the sink the micro-batches' gradients go to."""
         dtype = self.buffer_dtype(requested, params)
         if dtype is not None and self.pool is None:
             self.pool = BufferPool()
-        return make_sink(params, device, dtype, noise=self.noise, pool=self.pool, alone=self.alone)
+        return make_sink(params, device, dtype, noise=self.noise, pool=self.pool, alone=self.alone and self.tap_ok)
 
     # How the step counts (mbs_ext.counts.normalize.for_step): no other rank weighs this one's
     # counts; :meth:`agree` needs no total before the first micro-batch.
@@ -163,6 +167,14 @@ class World:
             normalizer.settle()
         if sink.buffered:
             sink.finish(normalizer.rescale_factor())  # alone: its own gradients are all there are
+            if sink.bufs.split:
+                self.tap_ok = False
+                warnings.warn("mbs_ext: noise_scale could not measure this step (its noise is NaN): a parameter's "
+                              "gradient came in parts within one micro-batch (reentrant checkpointing, "
+                              "use_reentrant=True, or a second backward), and the squares of the parts are not "
+                              "the square of their sum. The gradients are exact; from the next step on each "
+                              "micro-batch's gradient is read after its backward (exact, a little slower)",
+                              RuntimeWarning, stacklevel=2)
         return _ALONE
 
     # ---- failures and back-off
