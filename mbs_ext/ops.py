@@ -161,27 +161,31 @@ def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_i
 
 def noise_tap(params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> Any:
     """Hooks before autograd's accumulation into each of ``params``' ``.grad`` (until its
-    ``detach()``): a parameter's first gradient of the step becomes its ``.grad`` as it is,
-    each later one is added into it by the op's CPU loop with its squares, into the sum of squares
-    of the running micro-batch (``next()`` begins the next one; ``squares()`` lists them, host
-    floats), in the one pass over the sum that autograd's own addition would make, while the
-    gradient is still in the caches; ``read_pending()`` adds the squares of sums that are still
-    a first gradient to the micro-batch it came with; ``sum_squares()`` reads the final sums'
-    squared norm with their non-finite check. No Python runs per parameter
+    ``detach()``), at work between its ``begin()`` (every ``.grad`` empty) and ``end()``: a
+    parameter's first gradient of the step becomes its ``.grad`` as it is, each later one is added
+    into it by the op's CPU loop with its squares, in the one pass over the sum that autograd's own
+    addition would make, while the gradient is still in the caches. The squares go to the running
+    micro-batch's sum (``weigh(loss, weight)`` weighs a micro-batch's loss and begins it;
+    ``squares()`` lists the sums, host floats); ``read_pending()`` adds the squares of sums that are
+    still a first gradient to the micro-batch it came with; ``sum_squares()`` reads the final
+    sums' squared norm with their non-finite check. No Python runs per parameter
     (csrc/ops/noise_tap.h). The noise scale's sums on the CPU (mbs_ext/model/grads.py). A helper
-    as :func:`sum_squares_` is: dense CPU float parameters that are leaves requiring grad, a
-    0-dim float32 ``found_inf`` set on inf/NaN."""
+    as :func:`sum_squares_` is: dense CPU float parameters that are leaves requiring grad, a 0-dim
+    float32 ``found_inf`` set on inf/NaN (cleared by ``begin()``)."""
     return _C._NoiseTap(_as_list("params", params), found_inf)
 
 
 def add_squares_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sq_norm: torch.Tensor,
-                 acc_sq_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """``accumulators[i] += grads[i]`` with ``sq_norm`` += the grads' squares (as the op sums them)
-    and ``acc_sq_norm`` += the squares of the accumulators as read, before the update, in one pass;
-    ``found_inf = 1.0`` where a grad or an accumulator is inf or NaN.
+                 acc_sq_norm: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+    """``accumulators[i] += grads[i]`` with ``sq_norm`` += the grads' squares (as the op sums them),
+    in one pass; ``found_inf = 1.0`` where a grad is inf or NaN. With ``acc_sq_norm``, in the same
+    pass also ``acc_sq_norm`` += the squares of the accumulators as read, before the update, and
+    ``found_inf`` set where one of them is inf or NaN.
 
-    The first addition into a sum that is still one micro-batch's gradient as it was taken gives
-    that gradient's squares without a read of its own (the noise scale, mbs_ext/model/grads.py).
+    The kernel the noise tap runs inside the backward (:func:`noise_tap`): the first addition into
+    a sum that is still one micro-batch's gradient as it was taken gives that gradient's squares
+    without a read of its own (``acc_sq_norm``), later ones only the grads' (the accumulators'
+    squares cost a pass over a sum out of the caches 10-15% more).
     CPU only, a helper as :func:`sum_squares_` is: each accumulator a dense CPU float tensor laid
     out as its grad (ValueError naming the argument otherwise).
     """

@@ -391,6 +391,48 @@ def test_under_compiled_autograd_the_noise_is_measured_as_in_eager_mode():
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_a_streamers_steps_share_one_tap_that_lets_other_backwards_be():
+    """The tap's hooks stay from step to step: each step measures afresh (the squares and the
+    non-finite flag of the last step gone: a step after a skipped NaN one goes ahead), backwards
+    of the user's between steps accumulate into ``.grad`` as autograd's do, and a step under
+    compiled autograd, which cannot trace the hooks, has them removed and measures as the eager
+    step does. Each step's sums against micro-batch gradients by hand (float64)."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    model = _model()
+    reference = copy.deepcopy(model)
+    x, y = _batch(20, seed=7)
+    sizes = split_sizes(20, 6)
+    streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
+                                          micro_batch_size=6, noise_scale=True)
+
+    def measured() -> None:
+        micro_sq, g_b = _by_hand(reference, x, y, sizes)
+        result = streamer.step((x, y))
+        noise = result.noise
+        assert not result.skipped and noise.micro_batches == len(sizes)
+        assert math.isclose(noise.micro_sq, micro_sq, rel_tol=1e-10), (noise.micro_sq, micro_sq)
+        assert math.isclose(noise.batch_sq, float(g_b.square().sum()), rel_tol=1e-10)
+
+    measured()
+    measured()
+    # Between steps: the user's own backwards, one of them NaN, accumulate as autograd's do.
+    for net in (model, reference):
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        F.cross_entropy(net(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    poisoned = x.clone()
+    poisoned[13, 0] = math.nan  # the third micro-batch's gradients: NaN, after the first sums
+    with pytest.warns(RuntimeWarning):
+        assert streamer.step((poisoned, y)).skipped
+    measured()
+    if hasattr(compiled_autograd, "_enable"):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            measured()
+    measured()
+
+
 class _Reentrant(nn.Module):
     """``shared`` runs in two segments of reentrant checkpointing: autograd hands it its gradient
     in two parts within each micro-batch's backward, one per segment."""

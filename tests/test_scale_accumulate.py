@@ -994,7 +994,9 @@ def nn_param(t: torch.Tensor) -> torch.nn.Parameter:
 def test_add_squares_sums_the_accumulators_as_read_and_the_grads_in_one_pass(dtype):
     """``add_squares_`` (a parameter's second gradient into its first, as taken): the update of
     ``scale_accumulate_`` at scale 1 bit for bit, the grads' squares as its ``sq_norm`` sums them,
-    the accumulators' squares before the update, and found_inf for an inf or NaN in either."""
+    the accumulators' squares before the update, and found_inf for an inf or NaN in either. Without
+    ``acc_sq_norm`` (a later gradient): the same update bit for bit, the grads' squares, and an
+    inf accumulator left to the final check."""
     from mbs_ext.ops import add_squares_
 
     gen = torch.Generator().manual_seed(23)
@@ -1006,12 +1008,18 @@ def test_add_squares_sums_the_accumulators_as_read_and_the_grads_in_one_pass(dty
     before, twins = [a.clone() for a in accs], [a.clone() for a in accs]
     sq, acc_sq = torch.zeros((), dtype=torch.float64), torch.full((), 1.0, dtype=torch.float64)
     found_inf = torch.zeros(())
+    alone, grads_only = [a.clone() for a in accs], torch.zeros((), dtype=torch.float64)
     add_squares_(accs, grads, sq, acc_sq, found_inf)
+    add_squares_(alone, grads, grads_only, None, found_inf)
     mbs_ext.scale_accumulate_(twins, grads, 1.0)
-    assert all(torch.equal(a, t) for a, t in zip(accs, twins)) and found_inf.item() == 0.0
-    assert sq.item() == pytest.approx(squares_reference(grads), rel=sq_rtol("cpu", torch.float64, grads))
+    assert all(torch.equal(a, t) and torch.equal(b, t) for a, b, t in zip(accs, alone, twins))
+    assert found_inf.item() == 0.0
+    for got in (sq, grads_only):
+        assert got.item() == pytest.approx(squares_reference(grads), rel=sq_rtol("cpu", torch.float64, grads))
     assert acc_sq.item() == pytest.approx(1.0 + squares_reference(before), rel=sq_rtol("cpu", torch.float64, before))
-    accs[0][5] = float("inf")
+    accs[0][5] = alone[0][5] = float("inf")
+    add_squares_(alone, grads, grads_only, None, found_inf)
+    assert found_inf.item() == 0.0 and math.isfinite(grads_only.item())
     add_squares_(accs, grads, sq, acc_sq, found_inf)
     assert found_inf.item() == 1.0 and math.isinf(acc_sq.item())
     with pytest.raises(ValueError, match=re.escape("not so for grads[1] (not laid out as its accumulator)")):

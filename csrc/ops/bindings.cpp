@@ -230,10 +230,11 @@ void sum_squares(const std::vector<at::Tensor>& tensors, const at::Tensor& sq_no
   sum_squares_cpu(tensors, sq_norm, found_inf);
 }
 
-// _add_squares(accumulators, grads, sq_norm, acc_sq_norm, found_inf): add_squares_cpu (ops/kernels.h);
-// each accumulator laid out as its grad.
+// _add_squares(accumulators, grads, sq_norm, acc_sq_norm or None, found_inf): add_squares_cpu
+// (ops/kernels.h); each accumulator laid out as its grad.
 void add_squares(const std::vector<at::Tensor>& accumulators, const std::vector<at::Tensor>& grads,
-                 const at::Tensor& sq_norm, const at::Tensor& acc_sq_norm, const at::Tensor& found_inf) {
+                 const at::Tensor& sq_norm, const std::optional<at::Tensor>& acc_sq_norm,
+                 const at::Tensor& found_inf) {
   if (accumulators.size() != grads.size()) refuse("_add_squares", "grads (not one per accumulator)");
   check_dense("_add_squares", accumulators, "accumulators");
   check_dense("_add_squares", grads, "grads");
@@ -243,14 +244,14 @@ void add_squares(const std::vector<at::Tensor>& accumulators, const std::vector<
     }
   }
   check_scalar("_add_squares", sq_norm, true, "sq_norm");
-  check_scalar("_add_squares", acc_sq_norm, true, "acc_sq_norm");
+  if (acc_sq_norm) check_scalar("_add_squares", *acc_sq_norm, true, "acc_sq_norm");
   check_scalar("_add_squares", found_inf, false, "found_inf");
   bump_versions(accumulators);
   bump_versions(sq_norm);
-  bump_versions(acc_sq_norm);
+  if (acc_sq_norm) bump_versions(*acc_sq_norm);
   bump_versions(found_inf);
   const py::gil_scoped_release no_gil;
-  add_squares_cpu(accumulators, grads, sq_norm, acc_sq_norm, found_inf);
+  add_squares_cpu(accumulators, grads, sq_norm, acc_sq_norm ? &*acc_sq_norm : nullptr, found_inf);
 }
 
 // _NoiseTap(params, found_inf): NoiseTap (ops/noise_tap.h) over dense CPU float parameters.
@@ -273,13 +274,18 @@ void bind_scale_accumulate(py::module_& m) {
         "where one is inf or NaN.");
   m.def("_add_squares", &add_squares, py::arg("accumulators"), py::arg("grads"), py::arg("sq_norm"),
         py::arg("acc_sq_norm"), py::arg("found_inf"),
-        "accumulators[i] += grads[i] with the squares of the grads into sq_norm and of the accumulators as read "
-        "into acc_sq_norm (in one pass), found_inf = 1.0 where one is inf or NaN.");
+        "accumulators[i] += grads[i] with the squares of the grads into sq_norm and (acc_sq_norm not None) of "
+        "the accumulators as read into acc_sq_norm (in one pass), found_inf = 1.0 where one is inf or NaN.");
   py::class_<NoiseTap>(m, "_NoiseTap",
                        "Each parameter's gradient into its .grad with its squares as autograd accumulates it "
-                       "(ops/noise_tap.h); detach() removes its hooks.")
+                       "(ops/noise_tap.h), between begin() and end(); detach() removes its hooks.")
       .def(py::init(&make_tap), py::arg("params"), py::arg("found_inf"))
-      .def("next", &NoiseTap::next, "The next micro-batch begins: its squares add up apart.")
+      .def("begin", &NoiseTap::begin, "A step begins (every .grad empty): squares and found_inf cleared, hooks on.")
+      .def("end", &NoiseTap::end, "The step is over: the hooks let every gradient through until begin().")
+      .def("weigh", py::overload_cast<const at::Tensor&, double>(&NoiseTap::weigh), py::arg("loss"),
+           py::arg("weight"), "loss * weight, and the next micro-batch begun (its squares add up apart).")
+      .def("weigh", py::overload_cast<const at::Tensor&, const at::Tensor&>(&NoiseTap::weigh), py::arg("loss"),
+           py::arg("weight"), "loss * weight (a 0-dim tensor, cast to the loss's dtype), the next micro-batch begun.")
       .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
       .def("split", &NoiseTap::split,
            "Whether a gradient came in parts within one micro-batch (or under grad mode): squares not measured.")

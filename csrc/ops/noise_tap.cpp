@@ -1,6 +1,7 @@
 // The noise scale's tap: hooks before autograd's accumulation (ops/noise_tap.h says why).
 #include "ops/noise_tap.h"
 
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -29,6 +30,8 @@ struct TapState {
   // A parameter's gradient came in parts within one micro-batch (reentrant checkpointing, a
   // second backward) or under grad mode: the squares taken are not the micro-batches' own.
   bool split = false;
+  bool active = false;  // between begin() and end()
+  int64_t begun = 0;     // micro-batches weighed since begin()
   std::vector<double> squares;  // per micro-batch; the last is the running one's
   at::Tensor found_inf;
   // 0-dim float64s the kernels add their sums of squares to, read into `squares` after each call.
@@ -66,11 +69,13 @@ bool fusable(const at::Tensor& sum, const at::Tensor& g) {
 
 class TapHook final : public ag::FunctionPreHook {
  public:
-  TapHook(std::weak_ptr<TapState> state, size_t index) : state_(std::move(state)), index_(index) {}
+  // The state is held, not locked per call (a hook runs for every parameter of every micro-batch):
+  // a hook lives on its node until detach() or the node's end, and the state as long as a hook.
+  TapHook(std::shared_ptr<TapState> state, size_t index) : state_(std::move(state)), index_(index) {}
 
   ag::variable_list operator()(const ag::variable_list& grads) override {
-    const std::shared_ptr<TapState> state = state_.lock();
-    if (!state || grads.size() != 1 || !grads[0].defined()) return grads;
+    TapState* const state = state_.get();
+    if (!state->active || grads.size() != 1 || !grads[0].defined()) return grads;
     const auto current = static_cast<int64_t>(state->squares.size()) - 1;
     // Squares of the parts are not the square of their sum (and an in-place add under grad mode
     // would escape the graph): autograd accumulates as it would without the tap, and the step
@@ -94,24 +99,30 @@ class TapHook final : public ag::FunctionPreHook {
       state->read(g, current);
       return out;
     }
-    // One kernel for every addition: the sum's own squares come with it (compute only: the sum
-    // is read anyway), kept where the sum is still a first gradient as taken. Called here directly,
-    // add_squares_cpu is the cheaper of the two (the op's entry also lays out pairs and a scale).
+    // One kernel for every addition (called here directly: the op's entry would also lay out pairs
+    // and a scale). Where the sum is still a first gradient as taken, its own squares come with the
+    // addition (no pass of their own); only there: they cost a pass over a sum out of the caches.
     const at::Tensor& flag = state->found_inf;
     double& squares = zeroed(state->scratch);
     double& sum_squares = zeroed(state->scratch_sum);
-    add_squares_cpu({sum}, {g}, state->scratch, state->scratch_sum, flag);
+    add_squares_cpu({sum}, {g}, state->scratch, first != kNone ? &state->scratch_sum : nullptr, flag);
     state->squares.back() += squares;
     if (first != kNone) state->squares[static_cast<size_t>(first)] += sum_squares;
     bump_version(sum);
     bump_version(flag);
-    // The sum goes on in the gradient's place with .grad emptied: autograd takes it back as it is.
+    // Nothing for autograd to add (an undefined gradient: it returns before touching .grad)...
+    if (!ag::impl::post_acc_grad_hooks(state->params[index_])) {
+      out[0] = at::Tensor();
+      return out;
+    }
+    // ... except where a post-accumulate-grad hook waits: the sum goes on in the gradient's place
+    // with .grad emptied, and autograd takes it back as it is, then runs the hook.
     out[0] = std::exchange(sum, at::Tensor());
     return out;
   }
 
  private:
-  std::weak_ptr<TapState> state_;
+  std::shared_ptr<TapState> state_;
   size_t index_;
 };
 
@@ -138,7 +149,6 @@ NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
   }
   state_->pending.assign(params.size(), kNone);
   state_->last.assign(params.size(), kNone);
-  state_->squares.assign(1, 0.0);
   state_->params = std::move(params);
   state_->found_inf = std::move(found_inf);
   for (size_t j = 0; j < state_->params.size(); ++j) {
@@ -154,7 +164,41 @@ NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
 
 NoiseTap::~NoiseTap() { detach(); }
 
-void NoiseTap::next() { state_->squares.push_back(0.0); }
+void NoiseTap::begin() {
+  TapState& state = *state_;
+  for (size_t j = 0; j < state.params.size(); ++j) {
+    TORCH_CHECK(!state.params[j].grad().defined(), "NoiseTap: parameter ", j, " has a .grad at the step's start");
+  }
+  std::fill(state.pending.begin(), state.pending.end(), kNone);
+  std::fill(state.last.begin(), state.last.end(), kNone);
+  state.squares.assign(1, 0.0);
+  state.begun = 0;
+  state.split = false;
+  *state.found_inf.data_ptr<float>() = 0.0f;
+  bump_version(state.found_inf);
+  state.active = true;
+}
+
+void NoiseTap::end() { state_->active = false; }
+
+namespace {
+
+// A micro-batch begins: the first of the step has its slot from begin(), each later one a new one.
+void start_micro_batch(TapState& state) {
+  if (state.begun++ > 0) state.squares.push_back(0.0);
+}
+
+}  // namespace
+
+at::Tensor NoiseTap::weigh(const at::Tensor& loss, double weight) {
+  start_micro_batch(*state_);
+  return loss * weight;
+}
+
+at::Tensor NoiseTap::weigh(const at::Tensor& loss, const at::Tensor& weight) {
+  start_micro_batch(*state_);
+  return loss * weight.to(loss.scalar_type());
+}
 
 const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
 

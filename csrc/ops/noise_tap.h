@@ -6,12 +6,16 @@
 // own tensor hooks, Python's or C++'s, as they are) sees the gradient autograd is about to
 // accumulate. The parameter's first gradient of the step goes on to autograd, which takes it as
 // the .grad (the sum). A later one is added into the sum by the op's CPU loop with its squares
-// (add_squares_cpu, at scale 1: the micro-batch's weight rode its loss), and the sum is handed
-// back in its place with .grad emptied, so that autograd takes the sum back rather than adding:
-// one pass over the sum, as autograd's own `.grad += g` would make, with the squares in it. The
-// first gradient's own squares come with the sum's next addition or from read_pending(). The
-// sums of squares are host numbers, one per micro-batch: no tensor per micro-batch, no Python
-// per parameter.
+// (add_squares_cpu, at scale 1: the micro-batch's weight rode its loss), and autograd is handed
+// nothing to add: one pass over the sum, as autograd's own `.grad += g` would make, with the
+// squares in it, the sum the same tensor throughout. A parameter with a post-accumulate-grad
+// hook is handed its sum instead, with .grad emptied, so that autograd takes it back and runs the
+// hook as it would. The first gradient's own squares come with the sum's next addition or from
+// read_pending(). The sums of squares are host numbers, one per micro-batch: no tensor per
+// micro-batch, no Python per parameter.
+//
+// The hooks stay between steps (a streamer's steps reuse one tap: making one costs a step tens of
+// microseconds), doing nothing outside begin() ... end().
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,15 +30,22 @@ struct TapHooks;
 
 class NoiseTap {
  public:
-  // params: the step's parameters (dense CPU float leaves that require grad), their .grad empty;
-  // found_inf: the 0-dim float32 flag every kernel call here sets on inf/NaN.
+  // params: the parameters (dense CPU float leaves that require grad); found_inf: the 0-dim
+  // float32 flag every kernel call here sets on inf/NaN. The hooks do nothing until begin().
   NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf);
   ~NoiseTap();
   NoiseTap(const NoiseTap&) = delete;
   NoiseTap& operator=(const NoiseTap&) = delete;
 
-  // The next micro-batch begins (after the last one's backward): its squares add up apart.
-  void next();
+  // A step begins, every parameter's .grad empty: no squares, found_inf cleared, the hooks on.
+  void begin();
+  // The step is over (or failed): the hooks let every gradient through to autograd until begin().
+  void end();
+  // `loss * weight` (weight a host number, or a 0-dim tensor cast to the loss's dtype), as the
+  // step weighs a micro-batch's loss before its backward, and that micro-batch begun: its squares
+  // add up apart from the last one's. One call where the step makes one anyway (the product).
+  at::Tensor weigh(const at::Tensor& loss, double weight);
+  at::Tensor weigh(const at::Tensor& loss, const at::Tensor& weight);
   // Each micro-batch's sum of squares of its gradient (float64), the running one's last.
   const std::vector<double>& squares() const;
   // Whether a parameter's gradient came in parts within one micro-batch (reentrant
@@ -47,7 +58,7 @@ class NoiseTap {
   // read_pending(), then the squared norm of the sums (every parameter's .grad) in one read, their
   // non-finite check setting found_inf: the step's |G_B|^2, once the sums are final.
   double sum_squares();
-  // Remove the hooks (after the step, or when it fails); the destructor does it too.
+  // Remove the hooks (when the tap is dropped); the destructor does it too.
   void detach();
 
  private:

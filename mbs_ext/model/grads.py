@@ -144,41 +144,44 @@ class TakenGrads:
     folds = True  # the caller weighs each micro-batch's loss; the tap adds at scale 1
     casts = False  # .grad is the sums themselves: no cast that could overflow
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], pool: BufferPool | None = None) -> None:
         self.params = params
         self.device = params[0].device if params else torch.device("cpu")
-        self.found_inf = [torch.zeros((), dtype=torch.float32, device=self.device)]
-        self.tap = noise_tap(params, self.found_inf[0])  # detached by release()
+        self.pool = pool
+        # The pool's tap, kept from step to step (else one of this step's own, detached by release()).
+        self.tap, found_inf = pool.tap(params) if pool is not None else _new_tap(params)
+        self.tap.begin()  # found_inf cleared, no squares yet
+        self.found_inf = [found_inf]
         self.noise = NoiseSums(self.device, folded=True, host=self.tap.squares)
         self.sum_nonfinite: torch.Tensor | None = None  # never set: the final check shares found_inf
         self.batch_sq: float | None = None  # |sum|^2 of the final sums, set by finish()
+        # Whether a parameter's gradient came in parts within one micro-batch (reentrant
+        # checkpointing, a second backward): autograd accumulated it as it does without the noise,
+        # but the squares taken are not the micro-batches' own (:meth:`micro_sums` says NaN). Set
+        # by finish() (each call into the tap costs a step microseconds).
+        self.split = False
 
     @property
     def got(self) -> list[bool]:
         """Which parameters got a gradient (the step began with every ``.grad`` None)."""
         return [p.grad is not None for p in self.params]
 
-    def add_(self, weight: float | torch.Tensor) -> None:
-        """The weight of the micro-batch whose backward just ran (its gradients, weighed by it,
-        went into the sums during the backward); the next one's squares add up apart."""
+    def weigh(self, loss: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+        """``loss * weight`` for the micro-batch about to run its backward (its gradients then come
+        weighed, as autograd's ``.grad`` takes them), begun in the tap with the same call: its
+        squares add up apart from the last one's."""
         self.noise.add(weight)
-        self.tap.next()
-
-    @property
-    def split(self) -> bool:
-        """Whether a parameter's gradient came in parts within one micro-batch (reentrant
-        checkpointing, a second backward): autograd accumulated it as it does without the noise,
-        but the squares taken are not the micro-batches' own (:meth:`micro_sums` says NaN)."""
-        return self.tap.split()
+        return self.tap.weigh(loss, weight)
 
     def micro_sums(self) -> tuple[float | torch.Tensor, float | torch.Tensor]:
-        self.tap.read_pending()
+        if self.batch_sq is None:  # before finish(), which reads them
+            self.tap.read_pending()
         sq, count = self.noise.sums()
         return (math.nan if self.split else sq), count
 
     def mul_(self, factor: float | torch.Tensor) -> None:
-        self.tap.read_pending()  # squares of the gradients as taken, not as rescaled
         if isinstance(factor, torch.Tensor) or factor != 1.0:
+            self.tap.read_pending()  # squares of the gradients as taken, not as rescaled
             scale_([p.grad for p in self.params if p.grad is not None], factor)
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
@@ -191,12 +194,18 @@ class TakenGrads:
         self.mul_(factor)
         # A host number: the final sums' flag joins the micro-batches' own, one flag to read.
         self.batch_sq = self.tap.sum_squares()
+        self.split = self.tap.split()
         self.release()
 
     def release(self) -> None:
-        """Remove the tap's hooks (after :meth:`finish`, or when a step fails: the step's
-        rollback clears the ``.grad`` it left)."""
-        self.tap.detach()
+        """Turn the tap off (after :meth:`finish`, or when a step fails: the step's rollback clears
+        the ``.grad`` it left); its hooks go where no pool keeps it, or where it saw gradients in
+        parts (the world takes no tap from then on)."""
+        self.tap.end()
+        if self.pool is None:
+            self.tap.detach()
+        elif self.split:
+            self.pool.drop_tap()
 
 
 def takes_grads(params: list[nn.Parameter], dtype: torch.dtype) -> bool:
@@ -214,8 +223,14 @@ def _compiled_autograd() -> bool:
     return bool(module is not None and getattr(module, "compiled_autograd_enabled", False))
 
 
+def _new_tap(params: list[nn.Parameter]) -> tuple[Any, torch.Tensor]:
+    """A noise tap over ``params`` (off until its ``begin()``) and the flag it sets on inf/NaN."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    return noise_tap(params, found_inf), found_inf
+
+
 class BufferPool:
-    """The flat buffers of a step, kept for the next step to reuse.
+    """The flat buffers of a step, kept for the next step to reuse, and the noise scale's tap.
 
     A step's buffers become its ``.grad`` (views into them), and the next step drops those views
     first thing; its buffers are then the same again. Taking them anew each step costs more than
@@ -227,6 +242,26 @@ class BufferPool:
 
     def __init__(self) -> None:
         self.flats: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.kept_tap: tuple[list[nn.Parameter], Any, torch.Tensor] | None = None
+
+    def tap(self, params: list[nn.Parameter]) -> tuple[Any, torch.Tensor]:
+        """The noise tap over ``params`` and its flag (:class:`TakenGrads`), kept from the last step
+        where it was over these very parameters. Its hooks stay between steps, doing nothing
+        there: a new tap costs a step tens of microseconds on the CPU (its hooks, its flag)."""
+        kept = self.kept_tap
+        if kept is not None and len(kept[0]) == len(params) and all(a is b for a, b in zip(kept[0], params)):
+            return kept[1], kept[2]
+        self.drop_tap()
+        tap, found_inf = _new_tap(params)
+        self.kept_tap = (list(params), tap, found_inf)
+        return tap, found_inf
+
+    def drop_tap(self) -> None:
+        """Remove the kept tap's hooks: a step that reads gradients otherwise (compiled autograd
+        cannot trace a backward through them), or one whose gradients came in parts."""
+        if self.kept_tap is not None:
+            self.kept_tap[1].detach()
+            self.kept_tap = None
 
     def zeros(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed flat buffer of ``length`` elements: the last one, where nothing else holds it."""
@@ -548,14 +583,18 @@ class BufferSink:
                  noise: bool = False, pool: BufferPool | None = None, take: bool = False) -> None:
         self.params = params
         self.device = device
-        self.bufs = TakenGrads(params) if take else GradBuffers(params, dtype, noise, pool)
+        if not take and pool is not None:
+            pool.drop_tap()  # this step reads its gradients otherwise: no hook of an earlier step's stays
+        self.bufs = TakenGrads(params, pool) if take else GradBuffers(params, dtype, noise, pool)
         self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor, scaler: Any) -> None:
-        if self.bufs.folds:  # the weight rides the loss, as with autograd's .grad
-            loss = loss * (weight.to(loss.dtype) if isinstance(weight, torch.Tensor) else weight)
+        bufs = self.bufs
+        if bufs.folds:  # the weight rides the loss, as with autograd's .grad (the tap's micro-batch begun)
+            loss = bufs.weigh(loss, weight)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        self.bufs.add_(weight)
+        if not bufs.folds:
+            bufs.add_(weight)
 
     def rescale(self, factor: float | torch.Tensor) -> None:
         self.bufs.mul_(factor)

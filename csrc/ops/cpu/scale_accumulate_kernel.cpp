@@ -128,7 +128,7 @@ void sum_squares_cpu(at::TensorList tensors, const at::Tensor& sq_norm, const at
 }
 
 void add_squares_cpu(at::TensorList accumulators, at::TensorList grads, const at::Tensor& sq_norm,
-                     const at::Tensor& acc_sq_norm, const at::Tensor& found_inf) {
+                     const at::Tensor* acc_sq_norm, const at::Tensor& found_inf) {
   std::vector<accumulate::Pair> pairs;
   pairs.reserve(accumulators.size());
   for (size_t i = 0; i < accumulators.size(); ++i) {
@@ -136,12 +136,21 @@ void add_squares_cpu(at::TensorList accumulators, at::TensorList grads, const at
                      *float_dtype(accumulators[i].scalar_type()), *float_dtype(grads[i].scalar_type())});
   }
   const accumulate::FlatPairs flat(std::move(pairs));
-  std::array<double, 2> squares{};
-  const bool bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 2>& block) {
-    return flat.run(begin, end, 1.0, block[0], block[1]);
-  });
-  add_squares(sq_norm, squares[0]);
-  add_squares(acc_sq_norm, squares[1]);
+  bool bad = false;
+  if (acc_sq_norm == nullptr) {
+    std::array<double, 1> squares{};
+    bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 1>& block) {
+      return flat.run(begin, end, 1.0, block[0]);
+    });
+    add_squares(sq_norm, squares[0]);
+  } else {
+    std::array<double, 2> squares{};
+    bad = in_blocks(flat.total(), squares, [&](int64_t begin, int64_t end, std::array<double, 2>& block) {
+      return flat.run(begin, end, 1.0, block[0], block[1]);
+    });
+    add_squares(sq_norm, squares[0]);
+    add_squares(*acc_sq_norm, squares[1]);
+  }
   if (bad) found_inf.fill_(1.0);
 }
 
