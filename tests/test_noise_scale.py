@@ -392,11 +392,12 @@ def test_under_compiled_autograd_the_noise_is_measured_as_in_eager_mode():
 
 
 def test_a_streamers_steps_share_one_tap_that_lets_other_backwards_be():
-    """The tap's hooks stay from step to step: each step measures afresh (the squares and the
-    non-finite flag of the last step gone: a step after a skipped NaN one goes ahead), backwards
-    of the user's between steps accumulate into ``.grad`` as autograd's do, and a step under
-    compiled autograd, which cannot trace the hooks, has them removed and measures as the eager
-    step does. Each step's sums against micro-batch gradients by hand (float64)."""
+    """A streamer's steps reuse one tap: each step measures afresh (the squares and the non-finite
+    flag of the last step gone: a step after a skipped NaN one goes ahead), and its hooks are off
+    between steps: backwards of the user's there accumulate into ``.grad`` as autograd's do, one
+    under compiled autograd (which cannot trace the hooks) included, and a step under compiled
+    autograd measures as the eager step does. Each step's sums against micro-batch gradients by
+    hand (float64)."""
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
     model = _model()
     reference = copy.deepcopy(model)
@@ -428,6 +429,12 @@ def test_a_streamers_steps_share_one_tap_that_lets_other_backwards_be():
         assert streamer.step((poisoned, y)).skipped
     measured()
     if hasattr(compiled_autograd, "_enable"):
+        for net in (model, reference):
+            net.zero_grad()
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                F.cross_entropy(net(x), y).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
         with compiled_autograd._enable(torch.compile(backend="eager")):
             measured()
     measured()

@@ -30,8 +30,8 @@ struct TapState {
   // A parameter's gradient came in parts within one micro-batch (reentrant checkpointing, a
   // second backward) or under grad mode: the squares taken are not the micro-batches' own.
   bool split = false;
-  bool active = false;  // between begin() and end()
-  int64_t begun = 0;     // micro-batches weighed since begin()
+  int64_t begun = 0;  // micro-batches weighed since begin()
+  bool first_taken = false;  // take_first() ran this step
   std::vector<double> squares;  // per micro-batch; the last is the running one's
   at::Tensor found_inf;
   // 0-dim float64s the kernels add their sums of squares to, read into `squares` after each call.
@@ -40,6 +40,10 @@ struct TapState {
 
   // Sums of squares of `tensors` into micro-batch `index`'s.
   void read(const at::Tensor& tensor, int64_t index);
+  // After the first micro-batch's backward (which runs without the hooks: autograd takes each
+  // gradient as the sum, or adds its parts): each sum is that micro-batch's gradient, its squares
+  // to be read; a sparse sum made dense (the sums are dense).
+  void take_first();
 };
 
 namespace {
@@ -75,7 +79,7 @@ class TapHook final : public ag::FunctionPreHook {
 
   ag::variable_list operator()(const ag::variable_list& grads) override {
     TapState* const state = state_.get();
-    if (!state->active || grads.size() != 1 || !grads[0].defined()) return grads;
+    if (grads.size() != 1 || !grads[0].defined()) return grads;
     const auto current = static_cast<int64_t>(state->squares.size()) - 1;
     // Squares of the parts are not the square of their sum (and an in-place add under grad mode
     // would escape the graph): autograd accumulates as it would without the tap, and the step
@@ -89,7 +93,7 @@ class TapHook final : public ag::FunctionPreHook {
     ag::variable_list out{grads[0].is_sparse() ? grads[0].to_dense() : grads[0]};
     const at::Tensor& g = out[0];
     at::Tensor& sum = state->params[index_].mutable_grad();
-    if (!sum.defined()) {  // its first gradient of the step: autograd takes it as the sum
+    if (!sum.defined()) {  // its first gradient of the step (a later micro-batch's): autograd takes it as the sum
       state->pending[index_] = current;
       return out;
     }
@@ -128,6 +132,16 @@ class TapHook final : public ag::FunctionPreHook {
 
 }  // namespace
 
+void TapState::take_first() {
+  if (std::exchange(first_taken, true)) return;
+  for (size_t j = 0; j < params.size(); ++j) {
+    at::Tensor& sum = params[j].mutable_grad();
+    if (!sum.defined()) continue;
+    if (sum.is_sparse()) sum = sum.to_dense();
+    pending[j] = last[j] = 0;
+  }
+}
+
 void TapState::read(const at::Tensor& tensor, int64_t index) {
   double& value = zeroed(scratch);
   sum_squares_cpu({dense(tensor)}, scratch, found_inf);
@@ -137,7 +151,26 @@ void TapState::read(const at::Tensor& tensor, int64_t index) {
 
 struct TapHooks {
   std::vector<AccumulatorPtr> accumulators;  // held: a forward reuses them, hooks and all
-  std::vector<const ag::FunctionPreHook*> hooks;
+  std::vector<const ag::FunctionPreHook*> hooks;  // attached now (none between steps)
+
+  void attach(const std::shared_ptr<TapState>& state) {
+    for (size_t j = 0; j < accumulators.size(); ++j) {
+      auto hook = std::make_unique<TapHook>(state, j);
+      hooks.push_back(hook.get());
+      accumulators[j]->add_pre_hook(std::move(hook));
+    }
+  }
+
+  void remove() {
+    for (size_t j = 0; j < hooks.size(); ++j) {
+      auto& pre_hooks = accumulators[j]->pre_hooks();
+      const ag::FunctionPreHook* ours = hooks[j];
+      pre_hooks.erase(std::remove_if(pre_hooks.begin(), pre_hooks.end(),
+                                     [ours](const std::unique_ptr<ag::FunctionPreHook>& h) { return h.get() == ours; }),
+                      pre_hooks.end());
+    }
+    hooks.clear();
+  }
 };
 
 NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
@@ -154,11 +187,7 @@ NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
   for (size_t j = 0; j < state_->params.size(); ++j) {
     const at::Tensor& p = state_->params[j];
     TORCH_CHECK(p.is_leaf() && p.requires_grad(), "NoiseTap: parameter ", j, " is not a leaf that requires grad");
-    AccumulatorPtr accumulator = ag::impl::grad_accumulator(p);
-    auto hook = std::make_unique<TapHook>(state_, j);
-    hooks_->hooks.push_back(hook.get());
-    accumulator->add_pre_hook(std::move(hook));
-    hooks_->accumulators.push_back(std::move(accumulator));
+    hooks_->accumulators.push_back(ag::impl::grad_accumulator(p));
   }
 }
 
@@ -173,30 +202,31 @@ void NoiseTap::begin() {
   std::fill(state.last.begin(), state.last.end(), kNone);
   state.squares.assign(1, 0.0);
   state.begun = 0;
+  state.first_taken = false;
   state.split = false;
   *state.found_inf.data_ptr<float>() = 0.0f;
   bump_version(state.found_inf);
-  state.active = true;
 }
 
-void NoiseTap::end() { state_->active = false; }
+void NoiseTap::end() { hooks_->remove(); }
 
-namespace {
-
-// A micro-batch begins: the first of the step has its slot from begin(), each later one a new one.
-void start_micro_batch(TapState& state) {
-  if (state.begun++ > 0) state.squares.push_back(0.0);
+void NoiseTap::start_micro_batch() {
+  TapState& state = *state_;
+  if (state.begun++ == 0) return;  // the first has its slot from begin(), and no hooks
+  state.squares.push_back(0.0);
+  if (state.begun == 2) {
+    state.take_first();
+    hooks_->attach(state_);
+  }
 }
-
-}  // namespace
 
 at::Tensor NoiseTap::weigh(const at::Tensor& loss, double weight) {
-  start_micro_batch(*state_);
+  start_micro_batch();
   return loss * weight;
 }
 
 at::Tensor NoiseTap::weigh(const at::Tensor& loss, const at::Tensor& weight) {
-  start_micro_batch(*state_);
+  start_micro_batch();
   return loss * weight.to(loss.scalar_type());
 }
 
@@ -205,6 +235,7 @@ const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
 bool NoiseTap::split() const { return state_->split; }
 
 void NoiseTap::read_pending() {
+  state_->take_first();  // a step of one micro-batch: its sums are its gradient
   for (size_t j = 0; j < state_->params.size(); ++j) {
     const int64_t first = std::exchange(state_->pending[j], kNone);
     const at::Tensor& sum = state_->params[j].grad();
@@ -225,15 +256,8 @@ double NoiseTap::sum_squares() {
 }
 
 void NoiseTap::detach() {
-  for (size_t j = 0; j < hooks_->accumulators.size(); ++j) {
-    auto& pre_hooks = hooks_->accumulators[j]->pre_hooks();
-    const ag::FunctionPreHook* ours = hooks_->hooks[j];
-    pre_hooks.erase(std::remove_if(pre_hooks.begin(), pre_hooks.end(),
-                                   [ours](const std::unique_ptr<ag::FunctionPreHook>& h) { return h.get() == ours; }),
-                    pre_hooks.end());
-  }
+  hooks_->remove();
   hooks_->accumulators.clear();
-  hooks_->hooks.clear();
 }
 
 }  // namespace mbs

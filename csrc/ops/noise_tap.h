@@ -4,8 +4,10 @@
 //
 // A hook before each parameter's AccumulateGrad node (a node pre-hook: it leaves the parameter's
 // own tensor hooks, Python's or C++'s, as they are) sees the gradient autograd is about to
-// accumulate. The parameter's first gradient of the step goes on to autograd, which takes it as
-// the .grad (the sum). A later one is added into the sum by the op's CPU loop with its squares
+// accumulate. The first micro-batch's backward runs without them: autograd takes each gradient as
+// the .grad (the sum), and the hooks go on when the second micro-batch is weighed. A parameter's
+// first gradient of the step (the first micro-batch's, or a later one's) goes on to autograd in
+// the same way. A later one is added into the sum by the op's CPU loop with its squares
 // (add_squares_cpu, at scale 1: the micro-batch's weight rode its loss), and autograd is handed
 // nothing to add: one pass over the sum, as autograd's own `.grad += g` would make, with the
 // squares in it, the sum the same tensor throughout. A parameter with a post-accumulate-grad
@@ -14,8 +16,8 @@
 // read_pending(). The sums of squares are host numbers, one per micro-batch: no tensor per
 // micro-batch, no Python per parameter.
 //
-// The hooks stay between steps (a streamer's steps reuse one tap: making one costs a step tens of
-// microseconds), doing nothing outside begin() ... end().
+// A streamer's steps reuse one tap (making one costs a step tens of microseconds on the CPU), its
+// hooks on only within a step: from the second micro-batch's weigh() to end().
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,15 +33,16 @@ struct TapHooks;
 class NoiseTap {
  public:
   // params: the parameters (dense CPU float leaves that require grad); found_inf: the 0-dim
-  // float32 flag every kernel call here sets on inf/NaN. The hooks do nothing until begin().
+  // float32 flag every kernel call here sets on inf/NaN. No hook until a step's second micro-batch.
   NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf);
   ~NoiseTap();
   NoiseTap(const NoiseTap&) = delete;
   NoiseTap& operator=(const NoiseTap&) = delete;
 
-  // A step begins, every parameter's .grad empty: no squares, found_inf cleared, the hooks on.
+  // A step begins, every parameter's .grad empty: no squares, found_inf cleared.
   void begin();
-  // The step is over (or failed): the hooks let every gradient through to autograd until begin().
+  // The step is over (or failed): the hooks come off (autograd alone accumulates until the next
+  // step's second micro-batch).
   void end();
   // `loss * weight` (weight a host number, or a 0-dim tensor cast to the loss's dtype), as the
   // step weighs a micro-batch's loss before its backward, and that micro-batch begun: its squares
@@ -48,9 +51,10 @@ class NoiseTap {
   at::Tensor weigh(const at::Tensor& loss, const at::Tensor& weight);
   // Each micro-batch's sum of squares of its gradient (float64), the running one's last.
   const std::vector<double>& squares() const;
-  // Whether a parameter's gradient came in parts within one micro-batch (reentrant
-  // checkpointing, a second backward) or under grad mode: autograd then accumulated it without
-  // the tap, and the squares taken are not the micro-batches' own.
+  // Whether a parameter's gradient came in parts within one micro-batch after the first
+  // (reentrant checkpointing, a second backward) or under grad mode: autograd then accumulated it
+  // without the tap, and the squares taken are not the micro-batches' own. (The first
+  // micro-batch's parts add up in its sum before its squares are read: exact.)
   bool split() const;
   // The squares of the sums that are still one gradient as autograd took it, into those of
   // the micro-batch it came from (before the sums are rescaled or read).
@@ -58,10 +62,15 @@ class NoiseTap {
   // read_pending(), then the squared norm of the sums (every parameter's .grad) in one read, their
   // non-finite check setting found_inf: the step's |G_B|^2, once the sums are final.
   double sum_squares();
-  // Remove the hooks (when the tap is dropped); the destructor does it too.
+  // Remove the hooks and let go of the accumulation nodes (when the tap is dropped); the
+  // destructor does it too.
   void detach();
 
  private:
+  // A micro-batch begins: the first has its slot from begin(); the second takes the first's sums
+  // and puts the hooks on.
+  void start_micro_batch();
+
   std::shared_ptr<TapState> state_;
   std::unique_ptr<TapHooks> hooks_;
 };

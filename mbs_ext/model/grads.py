@@ -198,9 +198,9 @@ class TakenGrads:
         self.release()
 
     def release(self) -> None:
-        """Turn the tap off (after :meth:`finish`, or when a step fails: the step's rollback clears
-        the ``.grad`` it left); its hooks go where no pool keeps it, or where it saw gradients in
-        parts (the world takes no tap from then on)."""
+        """Take the tap's hooks off (after :meth:`finish`, or when a step fails: the step's rollback
+        clears the ``.grad`` it left); the tap itself goes where no pool keeps it, or where it saw
+        gradients in parts (the world takes no tap from then on)."""
         self.tap.end()
         if self.pool is None:
             self.tap.detach()
@@ -246,8 +246,9 @@ class BufferPool:
 
     def tap(self, params: list[nn.Parameter]) -> tuple[Any, torch.Tensor]:
         """The noise tap over ``params`` and its flag (:class:`TakenGrads`), kept from the last step
-        where it was over these very parameters. Its hooks stay between steps, doing nothing
-        there: a new tap costs a step tens of microseconds on the CPU (its hooks, its flag)."""
+        where it was over these very parameters: a new one costs a step tens of microseconds on
+        the CPU (its state, its flag, the parameters' accumulation nodes). Its hooks are on only
+        within a step (from the second micro-batch to the tap's ``end()``)."""
         kept = self.kept_tap
         if kept is not None and len(kept[0]) == len(params) and all(a is b for a, b in zip(kept[0], params)):
             return kept[1], kept[2]
@@ -257,8 +258,9 @@ class BufferPool:
         return tap, found_inf
 
     def drop_tap(self) -> None:
-        """Remove the kept tap's hooks: a step that reads gradients otherwise (compiled autograd
-        cannot trace a backward through them), or one whose gradients came in parts."""
+        """Let go of the kept tap (the parameters' accumulation nodes it holds): a step that reads
+        gradients otherwise (compiled autograd, which cannot trace its hooks), or one whose
+        gradients came in parts."""
         if self.kept_tap is not None:
             self.kept_tap[1].detach()
             self.kept_tap = None
@@ -584,7 +586,7 @@ class BufferSink:
         self.params = params
         self.device = device
         if not take and pool is not None:
-            pool.drop_tap()  # this step reads its gradients otherwise: no hook of an earlier step's stays
+            pool.drop_tap()  # this step reads its gradients otherwise
         self.bufs = TakenGrads(params, pool) if take else GradBuffers(params, dtype, noise, pool)
         self.found: torch.Tensor | None = None  # non-finite flag over all DDP ranks
 
