@@ -167,8 +167,9 @@ def noise_tap(params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> Any:
     addition would make, while the gradient is still in the caches. The squares go to the running
     micro-batch's sum (``weigh(loss, weight)`` weighs a micro-batch's loss and begins it;
     ``squares()`` lists the sums, host floats); ``read_pending()`` adds the squares of sums that are
-    still a first gradient to the micro-batch it came with; ``sum_squares()`` reads the final
-    sums' squared norm with their non-finite check. No Python runs per parameter
+    still a first gradient to the micro-batch it came with; ``finish()`` reads the final sums'
+    squared norm with their non-finite check, takes the hooks off and says whether a gradient came
+    in parts within a micro-batch. No Python runs per parameter
     (csrc/ops/noise_tap.h). The noise scale's sums on the CPU (mbs_ext/model/grads.py). A helper
     as :func:`sum_squares_` is: dense CPU float parameters that are leaves requiring grad, a 0-dim
     float32 ``found_inf`` set on inf/NaN (cleared by ``begin()``)."""

@@ -287,12 +287,11 @@ void bind_scale_accumulate(py::module_& m) {
       .def("weigh", py::overload_cast<const at::Tensor&, const at::Tensor&>(&NoiseTap::weigh), py::arg("loss"),
            py::arg("weight"), "loss * weight (a 0-dim tensor, cast to the loss's dtype), the next micro-batch begun.")
       .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
-      .def("split", &NoiseTap::split,
-           "Whether a gradient came in parts within one micro-batch (or under grad mode): squares not measured.")
       .def("read_pending", &NoiseTap::read_pending, py::call_guard<py::gil_scoped_release>(),
            "The squares of the sums still one gradient as taken, into their micro-batches' slots.")
-      .def("sum_squares", &NoiseTap::sum_squares, py::call_guard<py::gil_scoped_release>(),
-           "read_pending(), then the squared norm of the final sums (the .grad) with their non-finite check.")
+      .def("finish", &NoiseTap::finish, py::call_guard<py::gil_scoped_release>(),
+           "The squared norm of the final sums with their non-finite check (after read_pending()), the hooks "
+           "off, and whether a gradient came in parts within a micro-batch: (|G_B|^2, split).")
       .def("detach", &NoiseTap::detach, "Remove the hooks.");
 }
 

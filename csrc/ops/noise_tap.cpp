@@ -38,7 +38,9 @@ struct TapState {
   at::Tensor scratch = at::zeros({}, at::kDouble);
   at::Tensor scratch_sum = at::zeros({}, at::kDouble);
 
-  // Sums of squares of `tensors` into micro-batch `index`'s.
+  // The sum of the squares of `tensors` (dense), their non-finite check setting found_inf.
+  double squares_of(at::TensorList tensors);
+  // The squares of `tensor` into micro-batch `index`'s.
   void read(const at::Tensor& tensor, int64_t index);
   // After the first micro-batch's backward (which runs without the hooks: autograd takes each
   // gradient as the sum, or adds its parts): each sum is that micro-batch's gradient, its squares
@@ -142,11 +144,15 @@ void TapState::take_first() {
   }
 }
 
-void TapState::read(const at::Tensor& tensor, int64_t index) {
+double TapState::squares_of(at::TensorList tensors) {
   double& value = zeroed(scratch);
-  sum_squares_cpu({dense(tensor)}, scratch, found_inf);
-  squares[static_cast<size_t>(index)] += value;
+  sum_squares_cpu(tensors, scratch, found_inf);
   bump_version(found_inf);
+  return value;
+}
+
+void TapState::read(const at::Tensor& tensor, int64_t index) {
+  squares[static_cast<size_t>(index)] += squares_of({dense(tensor)});
 }
 
 struct TapHooks {
@@ -232,8 +238,6 @@ at::Tensor NoiseTap::weigh(const at::Tensor& loss, const at::Tensor& weight) {
 
 const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
 
-bool NoiseTap::split() const { return state_->split; }
-
 void NoiseTap::read_pending() {
   state_->take_first();  // a step of one micro-batch: its sums are its gradient
   for (size_t j = 0; j < state_->params.size(); ++j) {
@@ -249,10 +253,13 @@ double NoiseTap::sum_squares() {
   for (const at::Tensor& p : state_->params) {
     if (p.grad().defined()) sums.push_back(dense(p.grad()));
   }
-  double& value = zeroed(state_->scratch);
-  sum_squares_cpu(sums, state_->scratch, state_->found_inf);
-  bump_version(state_->found_inf);
-  return value;
+  return state_->squares_of(sums);
+}
+
+std::pair<double, bool> NoiseTap::finish() {
+  const double squares = sum_squares();
+  end();
+  return {squares, state_->split};
 }
 
 void NoiseTap::detach() {

@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace mbs {
@@ -51,22 +52,23 @@ class NoiseTap {
   at::Tensor weigh(const at::Tensor& loss, const at::Tensor& weight);
   // Each micro-batch's sum of squares of its gradient (float64), the running one's last.
   const std::vector<double>& squares() const;
-  // Whether a parameter's gradient came in parts within one micro-batch after the first
-  // (reentrant checkpointing, a second backward) or under grad mode: autograd then accumulated it
-  // without the tap, and the squares taken are not the micro-batches' own. (The first
-  // micro-batch's parts add up in its sum before its squares are read: exact.)
-  bool split() const;
   // The squares of the sums that are still one gradient as autograd took it, into those of
   // the micro-batch it came from (before the sums are rescaled or read).
   void read_pending();
-  // read_pending(), then the squared norm of the sums (every parameter's .grad) in one read, their
-  // non-finite check setting found_inf: the step's |G_B|^2, once the sums are final.
-  double sum_squares();
+  // The step's end, once its sums are final: the sums' squared norm (the step's |G_B|^2), end(), and
+  // whether a parameter's gradient came in parts within one micro-batch after the first
+  // (reentrant checkpointing, a second backward) or under grad mode: autograd then accumulated it
+  // without the tap, and the squares taken are not the micro-batches' own. (The first
+  // micro-batch's parts add up in its sum before its squares are read: exact.) One call.
+  std::pair<double, bool> finish();
   // Remove the hooks and let go of the accumulation nodes (when the tap is dropped); the
   // destructor does it too.
   void detach();
 
  private:
+  // read_pending(), then the squared norm of the sums (every parameter's .grad) in one read, their
+  // non-finite check setting found_inf: the step's |G_B|^2, once the sums are final.
+  double sum_squares();
   // A micro-batch begins: the first has its slot from begin(); the second takes the first's sums
   // and puts the hooks on.
   void start_micro_batch();

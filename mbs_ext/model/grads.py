@@ -193,15 +193,15 @@ class TakenGrads:
         process's own) and ``group`` (None) say nothing here."""
         self.mul_(factor)
         # A host number: the final sums' flag joins the micro-batches' own, one flag to read.
-        self.batch_sq = self.tap.sum_squares()
-        self.split = self.tap.split()
+        self.batch_sq, self.split = self.tap.finish()  # the hooks off, as release() would
         self.release()
 
     def release(self) -> None:
         """Take the tap's hooks off (after :meth:`finish`, or when a step fails: the step's rollback
         clears the ``.grad`` it left); the tap itself goes where no pool keeps it, or where it saw
         gradients in parts (the world takes no tap from then on)."""
-        self.tap.end()
+        if self.batch_sq is None:  # finish() did not run
+            self.tap.end()
         if self.pool is None:
             self.tap.detach()
         elif self.split:
@@ -213,7 +213,7 @@ def takes_grads(params: list[nn.Parameter], dtype: torch.dtype) -> bool:
     :func:`~mbs_ext.ops.noise_tap` runs), each of that dtype (its gradients are the sums), and
     not under compiled autograd (which traces the backward's hooks, and cannot trace the tap's
     C++ one: the buffers' path then reads the gradients after each backward)."""
-    return (bool(params) and all(p.device.type == "cpu" and p.dtype == dtype for p in params)
+    return (bool(params) and all(p.is_cpu and p.dtype == dtype for p in params)  # is_cpu: no device object
             and not _compiled_autograd())
 
 

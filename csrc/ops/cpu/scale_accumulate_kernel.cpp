@@ -51,6 +51,16 @@ void add_squares(const at::Tensor& sq_norm, double squares) {
 // whether any span returned true.
 template <size_t N, typename Span> bool in_blocks(int64_t total, std::array<double, N>& sums, Span&& span) {
   const int64_t blocks = (total + kSquaresBlock - 1) / kSquaresBlock;
+  if (blocks <= kGrain / kSquaresBlock) {  // one thread's grain: this thread, blocks in order, no list
+    bool bad = false;
+    for (int64_t b = 0; b < blocks; ++b) {
+      std::array<double, N> block{};
+      const int64_t begin = b * kSquaresBlock;
+      bad = span(begin, std::min(begin + kSquaresBlock, total), block) || bad;
+      for (size_t i = 0; i < N; ++i) sums[i] += block[i];
+    }
+    return bad;
+  }
   std::vector<std::array<double, N>> block_sums(static_cast<size_t>(blocks));
   std::atomic<bool> bad{false};
   at::parallel_for(0, blocks, kGrain / kSquaresBlock, [&](int64_t first, int64_t last) {
