@@ -13,7 +13,7 @@ variants ran back to back there), with a distribution-free 95% interval for that
 statistics of the rounds' ratios). Written as ``noise_scale.{json,md}`` where bench/_results.py
 says studies write (``MBS_BENCH_UPDATE=1``: bench/results/).
 
-The MLP's step is short (15-25 ms) and the rounds' ratios spread several percent on a shared
+The MLP's step is short (14-25 ms) and the rounds' ratios spread several percent on a shared
 machine (interquartile range about +-4% here): it runs :data:`ROUNDS` rounds, enough to put its
 median within a few tenths of a percent; the CNN's 200 ms step spreads less.
 

@@ -160,9 +160,10 @@ def sum_squares_(tensors: Sequence[torch.Tensor], sq_norm: torch.Tensor, found_i
 
 
 def noise_tap(params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> Any:
-    """Hooks before autograd's accumulation into each of ``params``' ``.grad`` (until its
-    ``detach()``), at work between its ``begin()`` (every ``.grad`` empty) and ``end()``: a
-    parameter's first gradient of the step becomes its ``.grad`` as it is, each later one is added
+    """Hooks before autograd's accumulation into each of ``params``' ``.grad``, within a step: from
+    ``begin()`` (every ``.grad`` empty), on from the step's second ``weigh()`` to its ``end()`` or
+    ``finish()``. A parameter's first gradient of the step becomes its ``.grad`` as it is (the
+    first micro-batch's as autograd takes them, with no hook at all), each later one is added
     into it by the op's CPU loop with its squares, in the one pass over the sum that autograd's own
     addition would make, while the gradient is still in the caches. The squares go to the running
     micro-batch's sum (``weigh(loss, weight)`` weighs a micro-batch's loss and begins it;

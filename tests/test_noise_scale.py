@@ -440,6 +440,30 @@ def test_a_streamers_steps_share_one_tap_that_lets_other_backwards_be():
     measured()
 
 
+def test_a_kept_tap_follows_parameters_whose_data_is_set_anew_and_refuses_calls_outside_a_step():
+    """``model.double()`` keeps the parameters but gives each a new accumulation node: the tap
+    kept from the float32 step puts its hooks on the new ones (against micro-batch gradients by
+    hand, float64). Calls into a tap outside a step are refused, not run on no state."""
+    model = _model().float()
+    x, y = _batch(20, seed=8)
+    sizes = split_sizes(20, 6)
+    streamer = mbs_ext.MicroBatchStreamer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
+                                          micro_batch_size=6, noise_scale=True)
+    assert streamer.step((x.float(), y)).noise.micro_batches == len(sizes)
+    model.double()
+    micro_sq, g_b = _by_hand(copy.deepcopy(model), x, y, sizes)
+    noise = streamer.step((x, y)).noise
+    assert math.isclose(noise.micro_sq, micro_sq, rel_tol=1e-10), (noise.micro_sq, micro_sq)
+    assert math.isclose(noise.batch_sq, float(g_b.square().sum()), rel_tol=1e-10)
+    tap = mbs_ext.ops.noise_tap(list(model.parameters()), torch.zeros(()))
+    for call in (tap.finish, tap.read_pending, lambda: tap.weigh(torch.ones(()), 1.0)):
+        with pytest.raises(RuntimeError, match="outside begin"):
+            call()
+    tap.detach()
+    with pytest.raises(RuntimeError, match="after detach"):
+        tap.begin()
+
+
 class _Reentrant(nn.Module):
     """``shared`` runs in two segments of reentrant checkpointing: autograd hands it its gradient
     in two parts within each micro-batch's backward, one per segment."""

@@ -278,10 +278,10 @@ void bind_scale_accumulate(py::module_& m) {
         "the accumulators as read into acc_sq_norm (in one pass), found_inf = 1.0 where one is inf or NaN.");
   py::class_<NoiseTap>(m, "_NoiseTap",
                        "Each parameter's gradient into its .grad with its squares as autograd accumulates it "
-                       "(ops/noise_tap.h), between begin() and end(); detach() removes its hooks.")
+                       "(ops/noise_tap.h), hooks on from a step's second weigh() to its end() or finish().")
       .def(py::init(&make_tap), py::arg("params"), py::arg("found_inf"))
-      .def("begin", &NoiseTap::begin, "A step begins (every .grad empty): squares and found_inf cleared, hooks on.")
-      .def("end", &NoiseTap::end, "The step is over: the hooks let every gradient through until begin().")
+      .def("begin", &NoiseTap::begin, "A step begins (every .grad empty): squares and found_inf cleared.")
+      .def("end", &NoiseTap::end, "The step is over (or failed): the hooks come off.")
       .def("weigh", py::overload_cast<const at::Tensor&, double>(&NoiseTap::weigh), py::arg("loss"),
            py::arg("weight"), "loss * weight, and the next micro-batch begun (its squares add up apart).")
       .def("weigh", py::overload_cast<const at::Tensor&, const at::Tensor&>(&NoiseTap::weigh), py::arg("loss"),
@@ -289,7 +289,7 @@ void bind_scale_accumulate(py::module_& m) {
       .def("squares", &NoiseTap::squares, "Each micro-batch's sum of squares (floats), the running one's last.")
       .def("read_pending", &NoiseTap::read_pending, py::call_guard<py::gil_scoped_release>(),
            "The squares of the sums still one gradient as taken, into their micro-batches' slots.")
-      .def("finish", &NoiseTap::finish, py::call_guard<py::gil_scoped_release>(),
+      .def("finish", &NoiseTap::finish,
            "The squared norm of the final sums with their non-finite check (after read_pending()), the hooks "
            "off, and whether a gradient came in parts within a micro-batch: (|G_B|^2, split).")
       .def("detach", &NoiseTap::detach, "Remove the hooks.");

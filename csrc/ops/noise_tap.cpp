@@ -30,6 +30,7 @@ struct TapState {
   // A parameter's gradient came in parts within one micro-batch (reentrant checkpointing, a
   // second backward) or under grad mode: the squares taken are not the micro-batches' own.
   bool split = false;
+  bool in_step = false;  // between begin() and end()
   int64_t begun = 0;  // micro-batches weighed since begin()
   bool first_taken = false;  // take_first() ran this step
   std::vector<double> squares;  // per micro-batch; the last is the running one's
@@ -76,7 +77,7 @@ bool fusable(const at::Tensor& sum, const at::Tensor& g) {
 class TapHook final : public ag::FunctionPreHook {
  public:
   // The state is held, not locked per call (a hook runs for every parameter of every micro-batch):
-  // a hook lives on its node until detach() or the node's end, and the state as long as a hook.
+  // a hook lives on its node until end() (or the node's end), and the state as long as a hook.
   TapHook(std::shared_ptr<TapState> state, size_t index) : state_(std::move(state)), index_(index) {}
 
   ag::variable_list operator()(const ag::variable_list& grads) override {
@@ -95,7 +96,9 @@ class TapHook final : public ag::FunctionPreHook {
     ag::variable_list out{grads[0].is_sparse() ? grads[0].to_dense() : grads[0]};
     const at::Tensor& g = out[0];
     at::Tensor& sum = state->params[index_].mutable_grad();
-    if (!sum.defined()) {  // its first gradient of the step (a later micro-batch's): autograd takes it as the sum
+    // Its first gradient of the step (a parameter the first micro-batch did not reach): autograd
+    // takes it as the sum.
+    if (!sum.defined()) {
       state->pending[index_] = current;
       return out;
     }
@@ -160,6 +163,7 @@ struct TapHooks {
   std::vector<const ag::FunctionPreHook*> hooks;  // attached now (none between steps)
 
   void attach(const std::shared_ptr<TapState>& state) {
+    if (!hooks.empty()) return;  // on already
     for (size_t j = 0; j < accumulators.size(); ++j) {
       auto hook = std::make_unique<TapHook>(state, j);
       hooks.push_back(hook.get());
@@ -188,6 +192,7 @@ NoiseTap::NoiseTap(std::vector<at::Tensor> params, at::Tensor found_inf)
   }
   state_->pending.assign(params.size(), kNone);
   state_->last.assign(params.size(), kNone);
+  state_->squares.assign(1, 0.0);
   state_->params = std::move(params);
   state_->found_inf = std::move(found_inf);
   for (size_t j = 0; j < state_->params.size(); ++j) {
@@ -201,8 +206,14 @@ NoiseTap::~NoiseTap() { detach(); }
 
 void NoiseTap::begin() {
   TapState& state = *state_;
+  TORCH_CHECK(hooks_->accumulators.size() == state.params.size(), "NoiseTap: begin() after detach()");
+  hooks_->remove();  // hooks a step left on (one whose release never ran)
   for (size_t j = 0; j < state.params.size(); ++j) {
     TORCH_CHECK(!state.params[j].grad().defined(), "NoiseTap: parameter ", j, " has a .grad at the step's start");
+    // A parameter's accumulation node is new where its data was set anew (model.double(), a move
+    // and back): the hooks go on the node autograd accumulates through now.
+    AccumulatorPtr now = ag::impl::grad_accumulator(state.params[j]);
+    if (now != hooks_->accumulators[j]) hooks_->accumulators[j] = std::move(now);
   }
   std::fill(state.pending.begin(), state.pending.end(), kNone);
   std::fill(state.last.begin(), state.last.end(), kNone);
@@ -212,12 +223,17 @@ void NoiseTap::begin() {
   state.split = false;
   *state.found_inf.data_ptr<float>() = 0.0f;
   bump_version(state.found_inf);
+  state.in_step = true;
 }
 
-void NoiseTap::end() { hooks_->remove(); }
+void NoiseTap::end() {
+  hooks_->remove();
+  state_->in_step = false;
+}
 
 void NoiseTap::start_micro_batch() {
   TapState& state = *state_;
+  TORCH_CHECK(state.in_step, "NoiseTap: weigh() outside begin() ... end()");
   if (state.begun++ == 0) return;  // the first has its slot from begin(), and no hooks
   state.squares.push_back(0.0);
   if (state.begun == 2) {
@@ -239,6 +255,7 @@ at::Tensor NoiseTap::weigh(const at::Tensor& loss, const at::Tensor& weight) {
 const std::vector<double>& NoiseTap::squares() const { return state_->squares; }
 
 void NoiseTap::read_pending() {
+  TORCH_CHECK(state_->in_step, "NoiseTap: read_pending() or finish() outside begin() ... end()");
   state_->take_first();  // a step of one micro-batch: its sums are its gradient
   for (size_t j = 0; j < state_->params.size(); ++j) {
     const int64_t first = std::exchange(state_->pending[j], kNone);

@@ -185,6 +185,8 @@ class TakenGrads:
             scale_([p.grad for p in self.params if p.grad is not None], factor)
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
+        # The kept tap's flag itself (on the CPU, .to() copies nothing): the step reads it in its one
+        # read, before the next step's begin() clears it in place.
         return self.found_inf[0].to(device)
 
     def finish(self, factor: float | torch.Tensor, got_any: list[bool] | None = None, group: Any = None) -> None:
