@@ -416,7 +416,7 @@ def test_a_streamers_steps_share_one_tap_that_lets_other_backwards_be():
 
     measured()
     measured()
-    # Between steps: the user's own backwards, one of them NaN, accumulate as autograd's do.
+    # Between steps: the user's own backwards accumulate as autograd's do.
     for net in (model, reference):
         net.zero_grad()
         F.cross_entropy(net(x), y).backward()
